@@ -1,0 +1,53 @@
+"""Exceptions raised by amber-store.
+
+Every error a user can cause or meet derives from :class:`AmberError`, so a training loop can
+catch checkpoint failures without catching unrelated bugs.
+"""
+
+from __future__ import annotations
+
+
+class AmberError(Exception):
+    """Base class of all amber-store errors."""
+
+
+class InvalidURIError(AmberError, ValueError):
+    """The checkpoint URI cannot be resolved to a storage backend."""
+
+
+class StorageAccessError(AmberError, OSError):
+    """The storage backend cannot be reached, or refuses the credentials, or lacks the bucket."""
+
+
+class NotAnAmberStoreError(AmberError):
+    """The location holds data that is not an amber-store hierarchy (or none, in read mode)."""
+
+
+class FormatVersionError(AmberError):
+    """The store was written by a newer, incompatible on-disk format version."""
+
+
+class StepNotFoundError(AmberError, LookupError):
+    """The requested step is not committed in the store."""
+
+
+class StepOrderError(AmberError, ValueError):
+    """A save was asked for a step that is not newer than the latest committed step."""
+
+
+class ConcurrentWriterError(AmberError):
+    """Another writer committed the same step first; this save's data was left uncommitted."""
+
+
+class UnsupportedStateError(AmberError, TypeError):
+    """The state dict holds a value (leaf type or dtype) that amber-store cannot store exactly."""
+
+
+class CorruptDataError(AmberError):
+    """Stored data failed its checksum, or is missing, while being read."""
+
+    def __init__(self, message: str, *, step: int, tensor: str, chunk: tuple[int, ...] | None = None):
+        super().__init__(message)
+        self.step = step
+        self.tensor = tensor
+        self.chunk = chunk

@@ -1,0 +1,288 @@
+"""The on-disk hierarchy: paths, manifests, tensor specs and the state-dict tree.
+
+This module is the executable form of docs/FORMAT.md; it does no I/O. Everything written here
+is plain JSON so that any zarr v3 reader can inspect a store, and so that the format can be
+versioned: readers refuse a ``format_version`` newer than :data:`FORMAT_VERSION`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Literal
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedStateError
+
+FORMAT_NAME = "amber-store"
+FORMAT_VERSION = 1
+ROOT_ATTR = "amber_store"
+COMMITS_DIR = "commits"
+STEPS_DIR = "steps"
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+Encoding = Literal["full", "xor", "same"]
+
+
+def commit_key(step: int) -> str:
+    """Key of a step's manifest: the commit point. Zero-padded so listings sort by step."""
+    return f"{COMMITS_DIR}/{step:012d}.json"
+
+
+def parse_commit_key(name: str) -> int | None:
+    m = re.fullmatch(r"(\d{12})\.json", name)
+    return int(m.group(1)) if m else None
+
+
+def step_group(step: int, attempt: str) -> str:
+    """Group holding one save attempt's arrays; the attempt id keeps a retry off stale chunks."""
+    return f"{STEPS_DIR}/{step:012d}-{attempt}"
+
+
+def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+
+
+# --- dtypes -------------------------------------------------------------------------------
+
+# Tensors are stored as their raw bits in an unsigned integer array of the same width, which
+# is what XOR deltas work on and what lets bfloat16 (no zarr dtype) live in plain zarr.
+_BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS_NUMPY = {1: np.dtype("uint8"), 2: np.dtype("uint16"), 4: np.dtype("uint32"), 8: np.dtype("uint64")}
+# numpy dtypes torch.from_numpy accepts, per width (torch lacks full uint16/32/64 support)
+_TORCHABLE_NUMPY = {1: np.dtype("uint8"), 2: np.dtype("int16"), 4: np.dtype("int32"), 8: np.dtype("int64")}
+_DTYPE_NAMES = [
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+    "uint64", "uint32", "uint16", "uint8", "bool", "float8_e4m3fn", "float8_e5m2",
+]
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
+_DTYPE_BY_TORCH = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_BY_TORCH[dtype]
+    except KeyError:
+        raise UnsupportedStateError(
+            f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}"
+        ) from None
+
+
+def itemsize(name: str) -> int:
+    return torch.empty((), dtype=DTYPES[name]).element_size()
+
+
+def bits_torch_dtype(name: str) -> torch.dtype:
+    """The integer dtype whose bitwise ops torch implements, of the same width as ``name``."""
+    return _BITS_TORCH[itemsize(name)]
+
+
+def bits_numpy_dtype(name: str) -> np.dtype:
+    """The unsigned dtype of the zarr array that stores ``name``'s raw bits."""
+    return _BITS_NUMPY[itemsize(name)]
+
+
+def to_bits(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t``'s raw bits as a same-width integer tensor (no copy)."""
+    return t.contiguous().view(_BITS_TORCH[t.element_size()])
+
+
+def bits_to_numpy(bits: torch.Tensor) -> np.ndarray:
+    """Host bits tensor -> unsigned numpy view (no copy)."""
+    return bits.numpy().view(_BITS_NUMPY[bits.element_size()])
+
+
+def numpy_to_tensor(bits: np.ndarray, name: str) -> torch.Tensor:
+    """Unsigned numpy bits -> tensor of dtype ``name`` sharing its memory."""
+    signed = np.ascontiguousarray(bits).view(_TORCHABLE_NUMPY[bits.dtype.itemsize])
+    return torch.from_numpy(signed).view(DTYPES[name])
+
+
+# --- chunking -----------------------------------------------------------------------------
+
+def choose_chunks(shape: tuple[int, ...], item: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
+    """Chunk shape of about ``target_bytes``: trailing dims whole, leading dims split.
+
+    Keeping trailing dimensions whole makes each chunk one contiguous run of the C-order
+    tensor, so a slice of leading rows touches the fewest chunks.
+    """
+    budget = max(1, target_bytes // item)
+    chunks = [1] * len(shape)
+    for d in range(len(shape) - 1, -1, -1):
+        n = max(1, shape[d])
+        if n <= budget:
+            chunks[d] = n
+            budget //= n
+        else:
+            chunks[d] = budget
+            break
+    return tuple(chunks)
+
+
+def chunk_grid(shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.ceil(s / c) for s, c in zip(shape, chunks))
+
+
+def iter_chunk_indices(grid: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Chunk grid indices in C order (the order of a tensor entry's ``crc32c`` list)."""
+    return iter(np.ndindex(*grid)) if grid else iter([()])
+
+
+def chunk_slices(index: tuple[int, ...], shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunks, shape))
+
+
+# --- zarr array metadata ------------------------------------------------------------------
+
+def array_metadata(
+    name: str,
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    codecs: list[dict[str, Any]],
+    attributes: dict[str, Any],
+) -> dict[str, Any]:
+    """The zarr v3 ``zarr.json`` of one tensor array (written as is; no zarr defaults apply)."""
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": bits_numpy_dtype(name).name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks) or []}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0,
+        "codecs": codecs,
+        "attributes": {ROOT_ATTR: attributes},
+    }
+
+
+# --- state-dict tree ----------------------------------------------------------------------
+
+_SAFE = re.compile(r"[A-Za-z0-9_.\-]")
+
+
+def escape_segment(key: str | int) -> str:
+    """A dict key as one zarr node name: reversible, and never a reserved name."""
+    s = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in str(key))
+    if s in ("", ".", "..") or s.startswith("__"):
+        s = f"%{ord(s[0]):02X}{s[1:]}" if s else "%00"
+    return s
+
+
+def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Split a nested state dict into a JSON tree and ``{tensor key: tensor}``.
+
+    The tree keeps container types (dict with str/int keys, list, tuple), key order and exact
+    scalar leaves (floats as ``float.hex``), so :func:`unflatten` rebuilds an equal object.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: list[str]) -> dict[str, Any]:
+        where = "/".join(path) or "<root>"
+        if isinstance(obj, torch.Tensor):
+            key = "/".join(path) if path else "_"
+            if key in tensors:
+                raise UnsupportedStateError(f"two tensors map to the same key {key!r}")
+            dtype_name(obj.dtype)
+            if obj.is_sparse or obj.layout != torch.strided:
+                raise UnsupportedStateError(f"{where}: only strided (dense) tensors are supported")
+            tensors[key] = obj
+            return {"tensor": key}
+        if isinstance(obj, dict):
+            items = []
+            for k, v in obj.items():
+                if isinstance(k, bool) or not isinstance(k, (str, int)):
+                    raise UnsupportedStateError(f"{where}: dict key {k!r} must be str or int")
+                items.append([k, walk(v, path + [escape_segment(k)])])
+            return {"dict": items}
+        if isinstance(obj, (list, tuple)):
+            kind = "tuple" if isinstance(obj, tuple) else "list"
+            return {kind: [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
+        if isinstance(obj, float):
+            return {"float": obj.hex()}
+        if obj is None or isinstance(obj, (bool, int, str)):
+            return {"value": obj}
+        raise UnsupportedStateError(
+            f"{where}: cannot store a {type(obj).__name__}; leaves must be tensors, int, float, "
+            "str, bool or None"
+        )
+
+    return walk(state, []), tensors
+
+
+def unflatten(tree: dict[str, Any], leaf: Callable[[str], Any], mapping: Callable[[dict[Any, Any]], Any] = dict) -> Any:
+    """Rebuild the nested object; ``leaf(key)`` supplies each tensor (or a lazy stand-in)."""
+    (kind, body), = tree.items()
+    if kind == "tensor":
+        return leaf(body)
+    if kind == "dict":
+        return mapping({k: unflatten(v, leaf, mapping) for k, v in body})
+    if kind == "list":
+        return [unflatten(v, leaf, mapping) for v in body]
+    if kind == "tuple":
+        return tuple(unflatten(v, leaf, mapping) for v in body)
+    if kind == "float":
+        return float.fromhex(body)
+    return body
+
+
+# --- manifests ----------------------------------------------------------------------------
+
+@dataclass
+class TensorEntry:
+    """How one tensor of one step materializes.
+
+    ``full``: the array at ``array`` holds the raw bits. ``xor``: it holds ``bits XOR
+    materialized(base, key)``. ``same``: no array; the value equals ``materialized(base, key)``.
+    ``crc32c`` lists one checksum per chunk of the *materialized* bits, in C order.
+    """
+
+    dtype: str
+    shape: list[int]
+    chunks: list[int]
+    encoding: Encoding
+    base: int | None
+    array: str | None
+    crc32c: list[int]
+    nbytes: int
+    stored: int = 0
+
+
+@dataclass
+class Manifest:
+    """A committed step. Written last; its presence is what makes the step exist."""
+
+    step: int
+    kind: Literal["full", "delta"]
+    base: int | None
+    depth: int
+    group: str
+    tree: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+    created: float
+    seconds: float
+    attempt: str
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes_raw(self) -> int:
+        return sum(e.nbytes for e in self.tensors.values())
+
+    @property
+    def nbytes_stored(self) -> int:
+        return sum(e.stored for e in self.tensors.values())
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        d = json.loads(data)
+        d["tensors"] = {k: TensorEntry(**v) for k, v in d["tensors"].items()}
+        return cls(**d)

@@ -1,0 +1,195 @@
+"""Lazy tensors and state dicts: read a tensor, or a slice of one, only when it is used.
+
+A :class:`LazyTensor` knows its shape and dtype from the step's manifest. Indexing it reads the
+chunk-aligned box around the selection, from every array along that tensor's delta chain, and
+nothing else; :func:`materialize` reads a whole tree concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from zarr.core.sync import sync
+
+from .format import DTYPES, TensorEntry, numpy_to_tensor
+
+if TYPE_CHECKING:
+    from .store import Store
+
+_MAX_CONCURRENT_TENSORS = 16
+
+Index = int | slice | type(Ellipsis) | tuple[Any, ...]
+
+
+class LazyTensor:
+    """A tensor of a committed step that is read from storage on demand.
+
+    ``lt.shape``, ``lt.dtype`` cost nothing; ``lt[0:8]`` or ``lt[..., 3]`` reads only the chunks
+    that selection touches; ``lt.materialize(device)`` reads it all.
+    """
+
+    def __init__(self, store: Store, step: int, key: str, entry: TensorEntry) -> None:
+        self._store = store
+        self.step = step
+        self.key = key
+        self._entry = entry
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._entry.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self._entry.dtype]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._entry.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self._entry.nbytes
+
+    def __len__(self) -> int:
+        if not self._entry.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._entry.shape[0]
+
+    def __repr__(self) -> str:
+        return f"LazyTensor(step={self.step}, key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def materialize(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The whole tensor, bit-exact, on ``device`` (default CPU)."""
+        return _to(sync(self._read(Ellipsis)), device)
+
+    def __getitem__(self, index: Index) -> torch.Tensor:
+        """Read a selection of ints, slices (positive step) and ``...``; returns a CPU tensor."""
+        return sync(self._read(index))
+
+    async def _read(self, index: Index) -> torch.Tensor:
+        region, local = _plan(index, tuple(self._entry.shape), tuple(self._entry.chunks))
+        if region is None:
+            return torch.empty(self.shape, dtype=self.dtype, device="meta")[local].to_empty(device="cpu")
+        bits = await self._store._read_bits(self.step, self.key, region)
+        return numpy_to_tensor(bits, self._entry.dtype)[local]
+
+
+def _plan(index: Index, shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[tuple[slice, ...] | None, tuple[Any, ...]]:
+    """Chunk-aligned region covering ``index`` and the index into that region.
+
+    Region ``None`` means the selection is empty: nothing needs reading.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    if sum(i is Ellipsis for i in items) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    for i in items:
+        if not (i is Ellipsis or isinstance(i, slice) or (isinstance(i, int) and not isinstance(i, bool))):
+            raise TypeError(
+                f"LazyTensor supports int, slice and ... indices, not {type(i).__name__}; "
+                "call .materialize() and index the tensor"
+            )
+    n_dims = sum(i is not Ellipsis for i in items)
+    if n_dims > len(shape):
+        raise IndexError(f"too many indices for tensor of dimension {len(shape)}")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (len(shape) - n_dims) + items[at + 1:]
+    items = items + (slice(None),) * (len(shape) - len(items))
+
+    region: list[slice] = []
+    local: list[Any] = []
+    empty = any(n == 0 for n in shape)
+    for i, n, c in zip(items, shape, chunks):
+        if isinstance(i, int):
+            if not -n <= i < n:
+                raise IndexError(f"index {i} is out of bounds for dimension with size {n}")
+            i %= n
+            lo, hi = i, i + 1
+        else:
+            start, stop, step = i.indices(n)
+            if step <= 0:
+                raise ValueError("step must be greater than zero")
+            if stop <= start:
+                empty = True
+                lo, hi = 0, 0
+            else:
+                lo, hi = start, start + (stop - start - 1) // step * step + 1
+        r = slice(lo // c * c, min(-(-hi // c) * c, n))
+        region.append(r)
+        local.append(i - r.start if isinstance(i, int) else slice(lo - r.start, hi - r.start, i.indices(n)[2]))
+    if empty:
+        return None, tuple(items)
+    return tuple(region), tuple(local)
+
+
+def _to(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    return t if device is None else t.to(device)
+
+
+class LazyStateDict(Mapping[Any, Any]):
+    """A read-only mapping mirroring one saved dict; leaves are :class:`LazyTensor` or values."""
+
+    def __init__(self, items: dict[Any, Any]) -> None:
+        self._items = items
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"LazyStateDict({list(self._items)!r})"
+
+    def materialize(self, device: torch.device | str | None = None) -> dict[Any, Any]:
+        """Read every tensor below this mapping (concurrently) into plain dicts of tensors."""
+        return materialize(self, device)
+
+
+def _lazy_leaves(obj: Any) -> Iterator[LazyTensor]:
+    if isinstance(obj, LazyTensor):
+        yield obj
+    elif isinstance(obj, (LazyStateDict, dict)):
+        for v in obj.values():
+            yield from _lazy_leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _lazy_leaves(v)
+
+
+def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
+    """Replace every :class:`LazyTensor` in a tree by its tensor; containers become plain."""
+    leaves = list(_lazy_leaves(obj))
+
+    async def read_all() -> list[torch.Tensor]:
+        sem = asyncio.Semaphore(_MAX_CONCURRENT_TENSORS)
+
+        async def one(lt: LazyTensor) -> torch.Tensor:
+            async with sem:
+                return await lt._read(Ellipsis)
+
+        return await asyncio.gather(*(one(lt) for lt in leaves))
+
+    values = {id(lt): _to(t, device) for lt, t in zip(leaves, sync(read_all()))}
+
+    def rebuild(o: Any) -> Any:
+        if isinstance(o, LazyTensor):
+            return values[id(o)]
+        if isinstance(o, (LazyStateDict, dict)):
+            return {k: rebuild(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [rebuild(v) for v in o]
+        if isinstance(o, tuple):
+            return tuple(rebuild(v) for v in o)
+        return o
+
+    return rebuild(obj)

@@ -1,0 +1,448 @@
+"""Save, load and commit: the :class:`Store` a training job talks to.
+
+A save encodes every tensor against the base step (see :mod:`amber_store.pipeline`), writes all
+array data into a fresh attempt group, and then writes the step's manifest under ``commits/``
+with an exclusive create: that single object is the commit point, so an interrupted save leaves
+no visible step and never touches committed data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import crc32c
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from zarr.abc.store import Store as ZarrStore
+from zarr.core.array import AsyncArray
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+from zarr.storage import StorePath
+
+from . import format as fmt
+from .codecs import XorDeltaCodec
+from .errors import (
+    ConcurrentWriterError,
+    CorruptDataError,
+    FormatVersionError,
+    NotAnAmberStoreError,
+    StepNotFoundError,
+    StepOrderError,
+)
+from .format import Manifest, TensorEntry
+from .lazy import LazyStateDict, LazyTensor, materialize
+from .pipeline import AccountingStore, Base, Writer, encode, json_buffer
+from .uri import Location, probe, resolve
+
+Mode = Literal["r", "a", "w"]
+BasePolicy = Literal["chain", "full"]
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """What one committed save wrote."""
+
+    step: int
+    kind: Literal["full", "delta"]
+    base: int | None
+    nbytes_raw: int
+    nbytes_stored: int
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        """Raw tensor bytes per stored byte (higher is smaller)."""
+        return self.nbytes_raw / max(1, self.nbytes_stored)
+
+
+class Store:
+    """A checkpoint store rooted at one URI. Create it with :func:`amber_store.open`.
+
+    Args:
+        full_every: a delta step follows the previous one until ``full_every - 1`` deltas have
+            been written since the last full step; the next save is then full. Larger values
+            store less but make reads of late steps walk longer chains.
+        base_policy: ``"chain"`` diffs each step against the previous step (smallest deltas,
+            reads walk up to ``full_every`` arrays); ``"full"`` diffs every step against the
+            last full step (reads touch two arrays; deltas grow as training drifts).
+        chunk_bytes: target size of one chunk (one stored object before compression).
+        compression_level: zstd level of every chunk.
+        verify: check each materialized chunk's crc32c on read.
+        progress: show a tqdm bar while saving and loading.
+    """
+
+    def __init__(
+        self,
+        location: Location,
+        *,
+        mode: Mode = "a",
+        full_every: int = 10,
+        base_policy: BasePolicy = "chain",
+        chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+        compression_level: int = 1,
+        verify: bool = True,
+        progress: bool = False,
+        write_workers: int = 4,
+        max_inflight_bytes: int = 1 << 30,
+    ) -> None:
+        if full_every < 1:
+            raise ValueError("full_every must be >= 1")
+        if base_policy not in ("chain", "full"):
+            raise ValueError(f"base_policy must be 'chain' or 'full', not {base_policy!r}")
+        self._loc = location
+        self._zstore = AccountingStore(location.store)
+        self.mode: Mode = mode
+        self.full_every = full_every
+        self.base_policy: BasePolicy = base_policy
+        self.chunk_bytes = chunk_bytes
+        self.compression_level = compression_level
+        self.verify = verify
+        self.progress = progress
+        self._write_workers = write_workers
+        self._max_inflight = max_inflight_bytes
+        self._manifests: dict[int, Manifest] = {}
+        self._arrays: dict[str, AsyncArray[Any]] = {}
+        self._cache_step: int | None = None
+        self._cache: dict[str, torch.Tensor] = {}
+        sync(self._init_root())
+
+    # --- opening ------------------------------------------------------------------------
+
+    @property
+    def uri(self) -> str:
+        return self._loc.uri
+
+    def __repr__(self) -> str:
+        return f"amber_store.Store({self.uri!r}, mode={self.mode!r})"
+
+    async def _init_root(self) -> None:
+        proto = default_buffer_prototype()
+        if self.mode == "w":
+            await self._zstore.clear()
+        raw = await self._zstore.get("zarr.json", proto)
+        if raw is not None:
+            attrs = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR)
+            if not isinstance(attrs, dict) or attrs.get("format") != fmt.FORMAT_NAME:
+                raise NotAnAmberStoreError(f"{self.uri}: holds a zarr hierarchy that is not an amber-store")
+            self._check_version(attrs.get("format_version"))
+            return
+        if self.mode == "r":
+            raise NotAnAmberStoreError(f"{self.uri}: no amber-store here (nothing to read)")
+        if not await self._zstore.is_empty(""):
+            raise NotAnAmberStoreError(
+                f"{self.uri}: not empty and not an amber-store; refusing to write into it"
+            )
+        root = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION}
+        await self._zstore.set("zarr.json", json_buffer(fmt.group_metadata({fmt.ROOT_ATTR: root})))
+
+    def _check_version(self, version: Any) -> None:
+        if not isinstance(version, int) or version > fmt.FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{self.uri}: written with format version {version}; this amber-store reads "
+                f"up to {fmt.FORMAT_VERSION}; upgrade amber-store"
+            )
+
+    def close(self) -> None:
+        """Drop cached state. The store holds no open writes between calls."""
+        self._cache.clear()
+        self._cache_step = None
+        self._manifests.clear()
+        self._arrays.clear()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- listing ------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending. Uncommitted (crashed or in-progress) saves never appear."""
+        return sync(self._steps())
+
+    async def _steps(self) -> list[int]:
+        names = [n async for n in self._zstore.list_dir(fmt.COMMITS_DIR)]
+        return sorted(s for s in map(fmt.parse_commit_key, names) if s is not None)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or ``None`` for an empty store."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def manifest(self, step: int) -> Manifest:
+        """The committed manifest of ``step`` (raises :class:`StepNotFoundError`)."""
+        return sync(self._manifest(step))
+
+    async def _manifest(self, step: int) -> Manifest:
+        if step in self._manifests:
+            return self._manifests[step]
+        raw = await self._zstore.get(fmt.commit_key(step), default_buffer_prototype())
+        if raw is None:
+            known = await self._steps()
+            hint = f"committed steps: {known[:5]}{'...' if len(known) > 5 else ''}" if known else "the store is empty"
+            raise StepNotFoundError(f"{self.uri}: step {step} is not committed ({hint})")
+        m = Manifest.from_json(raw.to_bytes())
+        self._check_version(m.format_version)
+        self._manifests[step] = m
+        return m
+
+    def info(self, step: int) -> dict[str, Any]:
+        """Kind, base, chain and per-tensor bytes of a committed step, as plain data."""
+        return sync(self._info(step))
+
+    async def _info(self, step: int) -> dict[str, Any]:
+        m = await self._manifest(step)
+        tensors = {}
+        chain: set[int] = set()
+        for key, e in m.tensors.items():
+            deps = await self._dependencies(step, key)
+            chain.update(deps)
+            tensors[key] = {
+                "dtype": e.dtype,
+                "shape": e.shape,
+                "chunks": e.chunks,
+                "encoding": e.encoding,
+                "base": e.base,
+                "nbytes_raw": e.nbytes,
+                "nbytes_stored": e.stored,
+                "chain": deps,
+            }
+        return {
+            "step": m.step,
+            "kind": m.kind,
+            "base": m.base,
+            "depth": m.depth,
+            "chain": sorted(chain),
+            "nbytes_raw": m.nbytes_raw,
+            "nbytes_stored": m.nbytes_stored,
+            "seconds": m.seconds,
+            "created": m.created,
+            "tensors": tensors,
+        }
+
+    async def _dependencies(self, step: int, key: str) -> list[int]:
+        """Steps whose arrays are read to materialize ``key`` at ``step``, oldest first."""
+        deps: list[int] = []
+        e = (await self._manifest(step)).tensors[key]
+        while True:
+            if e.encoding != "same":
+                deps.append(step)
+            if e.encoding == "full" or e.base is None:
+                return deps[::-1]
+            step = e.base
+            e = (await self._manifest(step)).tensors[key]
+
+    # --- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: Any, *, full: bool | None = None) -> CommitInfo:
+        """Save ``state_dict`` as ``step`` and commit it.
+
+        ``full=True`` forces a full step, ``full=False`` a delta (when a base exists), ``None``
+        follows ``full_every``. Raises :class:`StepOrderError` unless ``step`` is newer than
+        every committed step. On any error nothing becomes visible.
+        """
+        if self.mode == "r":
+            raise PermissionError(f"{self.uri}: opened read-only (mode='r')")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        t0 = time.perf_counter()
+        latest = self.latest()
+        if latest is not None and step <= latest:
+            raise StepOrderError(f"{self.uri}: step {step} is not newer than the latest committed step {latest}")
+        tree, tensors = fmt.flatten(state_dict)
+        prev = self.manifest(latest) if latest is not None else None
+        base = self._choose_base(prev, full)
+        attempt = uuid.uuid4().hex[:8]
+        group = fmt.step_group(step, attempt)
+        sync(self._write_groups(group, step, tensors))
+
+        writer = Writer(self._zstore, workers=self._write_workers, max_inflight_bytes=self._max_inflight)
+        try:
+            items = tqdm(tensors.items(), desc=f"save {step}", unit="tensor", disable=not self.progress)
+            for key, tensor in items:
+                ref = self._base_for(base, key) if base is not None else None
+                writer.submit(
+                    encode(key, tensor, ref, step=step, group=group, chunk_bytes=self.chunk_bytes,
+                           level=self.compression_level)
+                )
+            done = writer.finish()
+        finally:
+            writer.close()
+
+        by_key = {enc.key: enc for enc in done}
+        manifest = Manifest(
+            step=step,
+            kind="full" if base is None else "delta",
+            base=None if base is None else base.step,
+            depth=0 if base is None or prev is None else prev.depth + 1,
+            group=group,
+            tree=tree,
+            tensors={key: by_key[key].entry for key in tensors},
+            created=time.time(),
+            seconds=time.perf_counter() - t0,
+            attempt=attempt,
+        )
+        sync(self._commit(manifest))
+        if self.base_policy == "chain" or base is None:
+            self._cache = {key: by_key[key].value for key in tensors}
+            self._cache_step = step
+        return CommitInfo(step, manifest.kind, manifest.base, manifest.nbytes_raw, manifest.nbytes_stored,
+                          time.perf_counter() - t0)
+
+    def _choose_base(self, prev: Manifest | None, full: bool | None) -> Manifest | None:
+        if prev is None or full is True:
+            return None
+        if full is None and prev.depth + 1 >= self.full_every:
+            return None
+        if self.base_policy == "full" and prev.kind == "delta":
+            assert prev.base is not None
+            return self.manifest(prev.base)
+        return prev
+
+    def _base_for(self, base: Manifest, key: str) -> Base | None:
+        entry = base.tensors.get(key)
+        if entry is None:
+            return None
+        if self._cache_step == base.step and key in self._cache:
+            return Base(base.step, entry, self._cache[key])
+        # Another process wrote the base, or this store was just opened: read it once.
+        bits = sync(self._read_bits(base.step, key, _whole(entry)))
+        return Base(base.step, entry, fmt.numpy_to_tensor(bits, entry.dtype).view(fmt.bits_torch_dtype(entry.dtype)))
+
+    async def _write_groups(self, group: str, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """zarr.json of the step group and of every nested container, so plain zarr can browse."""
+        parents = {f"{group}/{k.rsplit('/', 1)[0]}" for k in tensors if "/" in k}
+        for p in list(parents):
+            while p.count("/") > group.count("/") + 1:
+                p = p.rsplit("/", 1)[0]
+                parents.add(p)
+        top = fmt.group_metadata({fmt.ROOT_ATTR: {"step": step}})
+        await self._zstore.set(f"{group}/zarr.json", json_buffer(top))
+        empty = json_buffer(fmt.group_metadata())
+        await asyncio.gather(*(self._zstore.set(f"{p}/zarr.json", empty) for p in parents))
+
+    async def _commit(self, manifest: Manifest) -> None:
+        key = fmt.commit_key(manifest.step)
+        data = manifest.to_json()
+        await self._zstore.set_if_not_exists(key, default_buffer_prototype().buffer.from_bytes(data))
+        stored = await self._zstore.get(key, default_buffer_prototype())
+        if stored is None or stored.to_bytes() != data:
+            raise ConcurrentWriterError(
+                f"{self.uri}: another writer committed step {manifest.step} first; this save "
+                f"(attempt {manifest.attempt}) was not committed and its data is orphaned"
+            )
+        self._manifests[manifest.step] = manifest
+
+    # --- loading ------------------------------------------------------------------------
+
+    def load(self, step: int | None = None, *, lazy: bool = True, device: torch.device | str | None = None) -> Any:
+        """Open a committed step (``None``: the latest).
+
+        Lazy (default): a structure mirroring the saved state dict whose dicts are
+        :class:`LazyStateDict` and whose tensors are :class:`LazyTensor`; nothing is read until a
+        tensor or slice is used. ``lazy=False``: every tensor is read now (concurrently) and put
+        on ``device``.
+        """
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise StepNotFoundError(f"{self.uri}: the store has no committed step")
+        m = self.manifest(step)
+        lazy_sd = fmt.unflatten(m.tree, lambda key: LazyTensor(self, step, key, m.tensors[key]), LazyStateDict)
+        return lazy_sd if lazy else materialize(lazy_sd, device)
+
+    async def _array(self, path: str, step: int, key: str) -> AsyncArray[Any]:
+        arr = self._arrays.get(path)
+        if arr is None:
+            try:
+                arr = await AsyncArray.open(StorePath(self._zstore, path))
+            except (FileNotFoundError, KeyError, ValueError) as e:
+                raise CorruptDataError(
+                    f"{self.uri}: step {step}, tensor {key!r}: array {path} is missing or unreadable ({e})",
+                    step=step, tensor=key,
+                ) from None
+            self._arrays[path] = arr
+        return arr
+
+    async def _read_bits(self, step: int, key: str, region: tuple[slice, ...]) -> np.ndarray:
+        """Materialized raw bits of a chunk-aligned ``region`` of ``key`` at ``step``, verified."""
+        e = (await self._manifest(step)).tensors[key]
+        data = await self._read_chain(step, key, e, region)
+        if self.verify:
+            self._check_crcs(step, key, e, region, data)
+        return data
+
+    async def _read_chain(self, step: int, key: str, e: TensorEntry, region: tuple[slice, ...]) -> np.ndarray:
+        if e.encoding == "same":
+            assert e.base is not None
+            return await self._read_chain(e.base, key, (await self._manifest(e.base)).tensors[key], region)
+        assert e.array is not None
+        arr = await self._array(e.array, step, key)
+
+        async def own() -> np.ndarray:
+            try:
+                return np.array(await arr.getitem(region), copy=True)
+            except (ValueError, RuntimeError) as err:
+                raise CorruptDataError(
+                    f"{self.uri}: step {step}, tensor {key!r}: stored chunk failed its checksum or "
+                    f"decoding ({err})", step=step, tensor=key,
+                ) from None
+
+        if e.encoding == "full":
+            return await own()
+        assert e.base is not None
+        base_entry = (await self._manifest(e.base)).tensors[key]
+        delta, base = await asyncio.gather(own(), self._read_chain(e.base, key, base_entry, region))
+        return XorDeltaCodec.apply_into(delta, base)
+
+    def _check_crcs(self, step: int, key: str, e: TensorEntry, region: tuple[slice, ...], data: np.ndarray) -> None:
+        shape, chunks = tuple(e.shape), tuple(e.chunks)
+        grid = fmt.chunk_grid(shape, chunks)
+        first = tuple(r.start // c for r, c in zip(region, chunks))
+        counts = tuple(-(-(r.stop - r.start) // c) for r, c in zip(region, chunks))
+        for rel in fmt.iter_chunk_indices(counts):
+            idx = tuple(f + r for f, r in zip(first, rel))
+            flat = int(np.ravel_multi_index(idx, grid)) if grid else 0
+            local = tuple(slice(s.start - r.start, s.stop - r.start)
+                          for s, r in zip(fmt.chunk_slices(idx, shape, chunks), region))
+            got = crc32c.crc32c(np.ascontiguousarray(data[local]).data)
+            if got != e.crc32c[flat]:
+                raise CorruptDataError(
+                    f"{self.uri}: step {step}, tensor {key!r}, chunk {idx}: checksum mismatch "
+                    f"(materialized data differs from what was saved)", step=step, tensor=key, chunk=idx,
+                )
+
+
+def _whole(e: TensorEntry) -> tuple[slice, ...]:
+    return tuple(slice(0, s) for s in e.shape)
+
+
+def open(
+    uri: str | os.PathLike[str] | ZarrStore,
+    storage_options: dict[str, Any] | None = None,
+    mode: Mode = "a",
+    **options: Any,
+) -> Store:
+    """Open (``"a"``: or create; ``"r"``: read only; ``"w"``: wipe and create) a checkpoint store.
+
+    ``uri`` is a local path, ``file://``, ``memory://name``, ``s3://bucket/prefix`` or any other
+    fsspec URL; or a zarr :class:`~zarr.abc.store.Store` instance. ``storage_options`` go to the
+    fsspec filesystem (e.g. ``{"endpoint_url": "http://127.0.0.1:9000", "key": ..., "secret": ...}``
+    for MinIO). ``options`` are :class:`Store`'s keyword arguments.
+    """
+    if mode not in ("r", "a", "w"):
+        raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")
+    if isinstance(uri, ZarrStore):
+        loc = Location(uri, repr(uri), "zarr")
+    else:
+        loc = resolve(uri, storage_options, read_only=mode == "r")
+        sync(probe(loc))
+    return Store(loc, mode=mode, **options)

@@ -1,0 +1,130 @@
+"""URI -> zarr store, the way fsspec resolves URLs to filesystems.
+
+``/path`` or ``file:///path``: :class:`zarr.storage.LocalStore` (NVMe). ``memory://name``: a
+:class:`zarr.storage.MemoryStore` shared by every open of the same name in this process.
+``s3://bucket/prefix`` (and any other fsspec protocol that is installed): zarr's FsspecStore on
+an asynchronous fsspec filesystem. :func:`probe` checks reachability at ``open`` time so that a
+wrong URI, bucket or credential fails there, with a message that names the URI and never the
+secrets.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import fsspec
+from zarr.abc.store import Store
+from zarr.core.buffer import Buffer
+from zarr.storage import FsspecStore, LocalStore, MemoryStore
+
+from .errors import InvalidURIError, StorageAccessError
+
+_MEMORY: dict[str, dict[str, Buffer]] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Location:
+    """A resolved URI: the zarr store plus what error messages may show of it."""
+
+    store: Store
+    uri: str
+    scheme: str
+    fs: Any = None
+    path: str = ""
+
+
+def _s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
+    """s3fs options with the standard AWS environment honoured and object-store-safe defaults."""
+    opts = dict(storage_options)
+    endpoint = opts.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+        "AWS_ENDPOINT_URL"
+    )
+    client_kwargs = dict(opts.pop("client_kwargs", {}) or {})
+    if endpoint:
+        client_kwargs.setdefault("endpoint_url", endpoint)
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        client_kwargs.setdefault("region_name", region)
+    opts["client_kwargs"] = client_kwargs
+    config_kwargs = dict(opts.pop("config_kwargs", {}) or {})
+    if endpoint:
+        # MinIO and other S3-compatible servers want path-style addressing.
+        config_kwargs.setdefault("s3", {"addressing_style": "path"})
+    # botocore >= 1.36 adds checksums that several S3-compatible stores reject.
+    config_kwargs.setdefault("request_checksum_calculation", "when_required")
+    config_kwargs.setdefault("response_checksum_validation", "when_required")
+    opts["config_kwargs"] = config_kwargs
+    # Steps are discovered by listing; a cached listing would hide new commits.
+    opts.setdefault("use_listings_cache", False)
+    opts.setdefault("skip_instance_cache", True)
+    return opts
+
+
+def resolve(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, read_only: bool = False) -> Location:
+    """Resolve ``uri`` to a zarr store (no I/O; see :func:`probe`)."""
+    storage_options = dict(storage_options or {})
+    text = os.fspath(uri)
+    if not text:
+        raise InvalidURIError("empty checkpoint URI")
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
+        if storage_options:
+            raise InvalidURIError(f"{text}: storage_options are not used by local paths")
+        path = Path(parts.path if scheme == "file" else text).expanduser().absolute()
+        if path.exists() and not path.is_dir():
+            raise InvalidURIError(f"{text}: exists and is not a directory")
+        return Location(LocalStore(path, read_only=read_only), str(path), "file", path=str(path))
+    if scheme == "memory":
+        name = (parts.netloc + parts.path).strip("/")
+        with _MEMORY_LOCK:
+            data = _MEMORY.setdefault(name, {})
+        return Location(MemoryStore(data, read_only=read_only), f"memory://{name}", "memory", path=name)
+    if scheme in ("s3", "s3a"):
+        if not parts.netloc:
+            raise InvalidURIError(f"{text}: an s3 URI needs a bucket: s3://bucket/prefix")
+        storage_options = _s3_options(storage_options)
+        text = f"s3://{parts.netloc}{parts.path}".rstrip("/")
+        scheme = "s3"
+    else:
+        try:
+            fsspec.get_filesystem_class(scheme)
+        except (ImportError, ValueError) as e:
+            raise InvalidURIError(
+                f"{text}: unsupported URI scheme {scheme!r}; use a local path, file://, memory:// or s3:// ({e})"
+            ) from None
+    try:
+        store = FsspecStore.from_url(text, storage_options=storage_options, read_only=read_only)
+    except (TypeError, ValueError, ImportError) as e:
+        raise InvalidURIError(f"{text}: cannot create a {scheme} filesystem: {e}") from None
+    return Location(store, text, scheme, fs=store.fs, path=store.path)
+
+
+async def probe(loc: Location) -> None:
+    """Fail now, with a clear message, if the location's storage cannot be used."""
+    if loc.fs is None:
+        return
+    bucket = loc.path.split("/", 1)[0]
+    try:
+        await loc.fs._ls(bucket, refresh=True) if loc.scheme == "s3" else await loc.fs._info(loc.path)
+    except FileNotFoundError:
+        if loc.scheme == "s3":
+            raise StorageAccessError(f"{loc.uri}: bucket {bucket!r} does not exist") from None
+    except PermissionError as e:
+        raise StorageAccessError(f"{loc.uri}: access denied; check the credentials ({_reason(e)})") from None
+    except Exception as e:  # botocore, aiohttp and socket errors share no base class
+        raise StorageAccessError(f"{loc.uri}: storage not usable: {_reason(e)}") from None
+
+
+def _reason(e: BaseException) -> str:
+    name = type(e).__name__
+    text = str(e).splitlines()[0] if str(e) else ""
+    if "credential" in (name + text).lower():
+        return f"no valid credentials found: {name}"
+    return f"{name}: {text}"[:300]
