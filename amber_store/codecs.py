@@ -10,7 +10,6 @@ must XOR with, chunk by chunk, to materialize the value (see docs/FORMAT.md).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +28,6 @@ if TYPE_CHECKING:
     from zarr.core.buffer import NDBuffer
 
 XOR_DELTA = "amber.xor_delta"
-
-# numcodecs codecs are outside the zarr v3 spec and zarr says so on every use; we chose them.
-warnings.filterwarnings("ignore", message=".*Numcodecs codecs are not in the Zarr version 3.*")
 
 
 @dataclass(frozen=True)
@@ -84,15 +80,24 @@ register_codec(XOR_DELTA, XorDeltaCodec)
 def storage_codecs(dtype: str, level: int, delta: XorDeltaCodec | None) -> list[dict[str, Any]]:
     """The codec chain of one tensor array, as zarr v3 metadata.
 
-    Byte shuffle groups the sign/exponent bytes of a float, which barely change between steps
-    and XOR to zero runs; zstd level 1 measured as ratio-equal to level 3 on XOR deltas of
-    Adam trajectories and faster. crc32c last catches a damaged object before it is decoded.
+    Blosc's SIMD byte shuffle groups the sign/exponent bytes of each element, which barely
+    change between steps and XOR to zero runs; zstd level 1 inside 1 MiB blosc blocks measured
+    as ratio-equal to level 3 on XOR deltas and 3-4x faster (numcodecs' standalone shuffle ran
+    at 0.38 GB/s, blosc's at over 1 GB/s on 2 cores). crc32c last catches a damaged object
+    before it is decoded.
     """
+    width = itemsize(dtype)
     chain: list[dict[str, Any]] = [delta.to_dict()] if delta is not None else []
     chain.append({"name": "bytes", "configuration": {"endian": "little"}})
-    width = itemsize(dtype)
-    if width > 1:
-        chain.append({"name": "numcodecs.shuffle", "configuration": {"elementsize": width}})
-    chain.append({"name": "zstd", "configuration": {"level": level, "checksum": False}})
+    chain.append({
+        "name": "blosc",
+        "configuration": {
+            "typesize": width,
+            "cname": "zstd",
+            "clevel": level,
+            "shuffle": "shuffle" if width > 1 else "noshuffle",
+            "blocksize": 1 << 20,
+        },
+    })
     chain.append({"name": "crc32c"})
     return chain

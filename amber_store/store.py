@@ -123,16 +123,16 @@ class Store:
         return f"amber_store.Store({self.uri!r}, mode={self.mode!r})"
 
     async def _init_root(self) -> None:
-        proto = default_buffer_prototype()
-        if self.mode == "w":
-            await self._zstore.clear()
-        raw = await self._zstore.get("zarr.json", proto)
+        raw = await self._zstore.get("zarr.json", default_buffer_prototype())
         if raw is not None:
             attrs = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR)
             if not isinstance(attrs, dict) or attrs.get("format") != fmt.FORMAT_NAME:
                 raise NotAnAmberStoreError(f"{self.uri}: holds a zarr hierarchy that is not an amber-store")
-            self._check_version(attrs.get("format_version"))
-            return
+            if self.mode != "w":
+                self._check_version(attrs.get("format_version"))
+                return
+            # Only ever wipe what is recognisably ours.
+            await self._zstore.delete_dir("")
         if self.mode == "r":
             raise NotAnAmberStoreError(f"{self.uri}: no amber-store here (nothing to read)")
         if not await self._zstore.is_empty(""):
