@@ -80,8 +80,8 @@ class Trainer:
     """Model, AdamW and a deterministic batch stream: step ``i`` always sees the same batch."""
 
     def __init__(self, cfg: GPTConfig | None = None, *, seed: int = 0, batch: int = 16, lr: float = 3e-3,
-                 data: torch.Tensor | None = None) -> None:
-        torch.manual_seed(seed)
+                 data: torch.Tensor | None = None, init_seed: int | None = None) -> None:
+        torch.manual_seed(seed if init_seed is None else init_seed)
         self.model = TinyGPT(cfg)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
         self.data = corpus() if data is None else data
@@ -103,7 +103,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
-        return float(loss)
+        return loss.item()
 
     def state(self, step: int) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": step}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
@@ -98,7 +99,8 @@ def bits_to_numpy(bits: torch.Tensor) -> np.ndarray:
 
 def numpy_to_tensor(bits: np.ndarray, name: str) -> torch.Tensor:
     """Unsigned numpy bits -> tensor of dtype ``name`` sharing its memory."""
-    signed = np.ascontiguousarray(bits).view(_TORCHABLE_NUMPY[bits.dtype.itemsize])
+    # (np.ascontiguousarray would turn a 0-d array into 1-d)
+    signed = (bits if bits.flags.c_contiguous else bits.copy()).view(_TORCHABLE_NUMPY[bits.dtype.itemsize])
     return torch.from_numpy(signed).view(DTYPES[name])
 
 
@@ -197,7 +199,15 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise UnsupportedStateError(f"{where}: dict key {k!r} must be str or int")
                 items.append([k, walk(v, path + [escape_segment(k)])])
-            return {"dict": items}
+            if not isinstance(obj, OrderedDict):
+                return {"dict": items}
+            # nn.Module.state_dict() is an OrderedDict whose _metadata (per-module versions)
+            # load_state_dict consults; torch.save keeps it, and so do we.
+            meta = getattr(obj, "_metadata", None)
+            node: dict[str, Any] = {"odict": items}
+            if meta is not None:
+                node["metadata"] = walk(meta, path + ["_metadata"])
+            return node
         if isinstance(obj, (list, tuple)):
             kind = "tuple" if isinstance(obj, tuple) else "list"
             return {kind: [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
@@ -213,13 +223,23 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return walk(state, []), tensors
 
 
-def unflatten(tree: dict[str, Any], leaf: Callable[[str], Any], mapping: Callable[[dict[Any, Any]], Any] = dict) -> Any:
-    """Rebuild the nested object; ``leaf(key)`` supplies each tensor (or a lazy stand-in)."""
-    (kind, body), = tree.items()
+def unflatten(tree: dict[str, Any], leaf: Callable[[str], Any], mapping: Callable[[Any], Any] = lambda d: d) -> Any:
+    """Rebuild the nested object; ``leaf(key)`` supplies each tensor (or a lazy stand-in).
+
+    Each dict is rebuilt with its saved type (dict, or OrderedDict with ``_metadata``) and
+    then passed through ``mapping``, which the lazy loader uses to wrap it.
+    """
+    kind = next(iter(tree))
+    body = tree[kind]
     if kind == "tensor":
         return leaf(body)
     if kind == "dict":
         return mapping({k: unflatten(v, leaf, mapping) for k, v in body})
+    if kind == "odict":
+        d: OrderedDict[Any, Any] = OrderedDict((k, unflatten(v, leaf, mapping)) for k, v in body)
+        if "metadata" in tree:
+            d._metadata = unflatten(tree["metadata"], leaf)  # type: ignore[attr-defined]
+        return mapping(d)
     if kind == "list":
         return [unflatten(v, leaf, mapping) for v in body]
     if kind == "tuple":

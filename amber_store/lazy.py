@@ -8,6 +8,7 @@ nothing else; :func:`materialize` reads a whole tree concurrently.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +76,8 @@ class LazyTensor:
     async def _read(self, index: Index) -> torch.Tensor:
         region, local = _plan(index, tuple(self._entry.shape), tuple(self._entry.chunks))
         if region is None:
-            return torch.empty(self.shape, dtype=self.dtype, device="meta")[local].to_empty(device="cpu")
+            shape = torch.empty(self.shape, dtype=self.dtype, device="meta")[local].shape
+            return torch.empty(shape, dtype=self.dtype)
         bits = await self._store._read_bits(self.step, self.key, region)
         return numpy_to_tensor(bits, self._entry.dtype)[local]
 
@@ -185,7 +187,11 @@ def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
         if isinstance(o, LazyTensor):
             return values[id(o)]
         if isinstance(o, (LazyStateDict, dict)):
-            return {k: rebuild(v) for k, v in o.items()}
+            # copy.copy keeps the saved mapping type and an OrderedDict's _metadata
+            out = copy.copy(o._items if isinstance(o, LazyStateDict) else o)
+            for k in out:
+                out[k] = rebuild(out[k])
+            return out
         if isinstance(o, list):
             return [rebuild(v) for v in o]
         if isinstance(o, tuple):

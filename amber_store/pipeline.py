@@ -148,7 +148,7 @@ async def write_encoded(store: AccountingStore, enc: Encoded) -> int:
 class Writer:
     """Writes encoded tensors in the background with bounded in-flight bytes."""
 
-    def __init__(self, store: AccountingStore, *, workers: int = 4, max_inflight_bytes: int = 1 << 30):
+    def __init__(self, store: AccountingStore, *, workers: int = 2, max_inflight_bytes: int = 1 << 30):
         self._store = store
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="amber-write")
         self._max = max_inflight_bytes
@@ -163,9 +163,13 @@ class Writer:
         size = enc.data.nbytes
         while self._pending and self._inflight + size > self._max:
             self._reap(FIRST_COMPLETED)
-        fut = self._pool.submit(sync, write_encoded(self._store, enc))
+        fut = self._pool.submit(self._write, enc)
         self._pending[fut] = (enc, size)
         self._inflight += size
+
+    def _write(self, enc: Encoded) -> int:
+        # The coroutine is made here, in the worker, so a cancelled write leaves none unawaited.
+        return sync(write_encoded(self._store, enc))
 
     def _reap(self, how: str) -> None:
         done, _ = wait(list(self._pending), return_when=how)
@@ -176,7 +180,8 @@ class Writer:
             self._done.append(enc)
 
     def finish(self) -> list[Encoded]:
-        """Wait for every write; the first failure is raised after the rest settled."""
+        """Wait for every write. On the first failure, writes not started are cancelled, the
+        running ones finish, and the failure is raised."""
         try:
             while self._pending:
                 self._reap(FIRST_COMPLETED)

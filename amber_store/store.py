@@ -89,7 +89,7 @@ class Store:
         compression_level: int = 1,
         verify: bool = True,
         progress: bool = False,
-        write_workers: int = 4,
+        write_workers: int = 2,
         max_inflight_bytes: int = 1 << 30,
     ) -> None:
         if full_every < 1:
@@ -354,7 +354,7 @@ class Store:
         if step is None:
             step = self.latest()
             if step is None:
-                raise StepNotFoundError(f"{self.uri}: the store has no committed step")
+                raise StepNotFoundError(f"{self.uri}: the store is empty (no committed step)")
         m = self.manifest(step)
         lazy_sd = fmt.unflatten(m.tree, lambda key: LazyTensor(self, step, key, m.tensors[key]), LazyStateDict)
         return lazy_sd if lazy else materialize(lazy_sd, device)

@@ -22,7 +22,7 @@ from zarr.abc.store import Store
 from zarr.core.buffer import Buffer
 from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
-from .errors import InvalidURIError, StorageAccessError
+from .errors import InvalidURIError, NotAnAmberStoreError, StorageAccessError
 
 _MEMORY: dict[str, dict[str, Buffer]] = {}
 _MEMORY_LOCK = threading.Lock()
@@ -108,6 +108,8 @@ def resolve(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None 
 
 async def probe(loc: Location) -> None:
     """Fail now, with a clear message, if the location's storage cannot be used."""
+    if loc.scheme == "file" and loc.store.read_only and not Path(loc.path).is_dir():
+        raise NotAnAmberStoreError(f"{loc.uri}: no amber-store here (nothing to read)")
     if loc.fs is None:
         return
     bucket = loc.path.split("/", 1)[0]

@@ -116,6 +116,7 @@ def assert_tree_bit_equal(a: Any, b: Any) -> None:
         assert_bit_equal(a, b)
     elif isinstance(a, dict):
         assert list(a) == list(b)
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None)
         for k in a:
             assert_tree_bit_equal(a[k], b[k])
     elif isinstance(a, (list, tuple)):

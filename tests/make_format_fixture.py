@@ -1,0 +1,50 @@
+"""Writes the small reference store of the on-disk format (docs/FORMAT.md).
+
+``python tests/make_format_fixture.py tests/data/format-v1`` made the committed copy; the tests
+read that copy back with the current code (so a format change that breaks old stores fails CI)
+and also read back what this script writes today. Never edit the committed copy by hand; when
+the format version changes, add a new ``format-vN`` directory next to it and keep the old one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+
+import torch
+
+
+def expected() -> dict[int, dict]:
+    """The exact state saved at each step: full, xor delta, then same/new/shape-change/removed."""
+    w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
+    model = OrderedDict(w=w, b=torch.linspace(-1, 1, 5).to(torch.bfloat16), mask=torch.tensor([True, False, True]))
+    model._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() returns
+    s1 = {
+        "model": model,
+        "optim": {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.full((6, 8), 0.5)}},
+                  "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "params": [0]}]},
+        "step": 1,
+        "ids": torch.tensor([1, -2, 3], dtype=torch.int64),
+        "gone": torch.ones(2, dtype=torch.float16),
+    }
+    s2 = {**s1, "model": {**model, "w": w.clone().index_fill_(0, torch.tensor([2]), -3.25)}, "step": 2}
+    s3 = {
+        "model": {**s2["model"], "b": torch.linspace(-1, 1, 6).to(torch.bfloat16)},
+        "optim": s2["optim"],
+        "step": 3,
+        "ids": s2["ids"],
+        "new": torch.tensor(7, dtype=torch.int32),
+    }
+    return {1: s1, 2: s2, 3: s3}
+
+
+def write(path: str) -> None:
+    import amber_store as amber
+
+    store = amber.open(path, mode="w", chunk_bytes=64)
+    for step, state in expected().items():
+        store.save(step, state)
+
+
+if __name__ == "__main__":
+    write(sys.argv[1])

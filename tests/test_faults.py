@@ -1,0 +1,216 @@
+"""Bad input and failures: clear errors, and nothing committed is ever lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from zarr.core.buffer import Buffer
+from zarr.storage import LocalStore, WrapperStore
+
+import amber_store as amber
+from amber_store import format as fmt
+from conftest import assert_bit_equal, assert_tree_bit_equal
+
+
+class FailingStore(WrapperStore):
+    """Raises on the n-th chunk write after being armed, like a disk or network failing mid-save."""
+
+    def __init__(self, store, fail_after: int | None = None):
+        super().__init__(store)
+        self.fail_after = fail_after
+        self._lock = threading.Lock()
+
+    async def set(self, key: str, value: Buffer) -> None:
+        if self.fail_after is not None and "/c" in key:
+            with self._lock:
+                self.fail_after -= 1
+                fail = self.fail_after < 0
+            if fail:
+                raise OSError(f"injected failure writing {key}")
+        await self._store.set(key, value)
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(32, 32, generator=g) for i in range(6)}
+
+
+@pytest.mark.parametrize("fail_after", [0, 3])
+def test_interrupted_save_leaves_prior_steps_intact_and_the_step_invisible(tmp_path, fail_after):
+    failing = FailingStore(LocalStore(tmp_path / "ckpt"))
+    store = amber.open(failing)
+    s1, s2 = state(1), state(2)
+    store.save(1, s1)
+    failing.fail_after = fail_after
+    with pytest.raises(OSError, match="injected"):
+        store.save(2, s2)
+    failing.fail_after = None
+    assert store.steps() == [1]
+    assert amber.open(tmp_path / "ckpt", mode="r").steps() == [1]
+    with pytest.raises(amber.StepNotFoundError):
+        store.load(2)
+    assert_tree_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(1, lazy=False), s1)
+    # The retry of the same step writes a fresh attempt, never reusing the orphaned chunks.
+    info = store.save(2, s2)
+    assert info.kind == "delta"
+    assert_tree_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2, lazy=False), s2)
+
+
+def chunk_file(root: Path, store: amber.Store, step: int, key: str) -> Path:
+    array = store.manifest(step).tensors[key].array
+    files = sorted((root / array / "c").rglob("*"))
+    return next(f for f in files if f.is_file())
+
+
+def test_flipped_byte_in_a_chunk_is_detected_naming_step_and_tensor(local_store, tmp_path):
+    store = local_store()
+    s = state(0)
+    store.save(1, s)
+    s["t3"] += 1
+    store.save(2, s)
+    path = chunk_file(tmp_path / "ckpt", store, 1, "t3")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    reader = local_store(mode="r")
+    for step in (1, 2):  # the damaged base also poisons the delta step built on it
+        with pytest.raises(amber.CorruptDataError, match=f"step 1, tensor 't3'") as err:
+            reader.load(step)["t3"].materialize()
+        assert err.value.step == 1 and err.value.tensor == "t3"
+    assert_bit_equal(reader.load(2)["t2"].materialize(), s["t2"])  # the rest still loads
+
+
+def test_a_chunk_swapped_for_another_valid_one_fails_the_materialized_checksum(local_store, tmp_path):
+    store = local_store()
+    s = state(0)
+    store.save(1, s)
+    a, b = chunk_file(tmp_path / "ckpt", store, 1, "t0"), chunk_file(tmp_path / "ckpt", store, 1, "t1")
+    a.write_bytes(b.read_bytes())  # a well-formed object, but the wrong data
+    with pytest.raises(amber.CorruptDataError, match=r"tensor 't0', chunk \(0, 0\): checksum mismatch"):
+        local_store(mode="r").load(1)["t0"].materialize()
+
+
+def test_missing_array_is_reported_as_corruption(local_store, tmp_path):
+    import shutil
+
+    store = local_store()
+    store.save(1, state(0))
+    shutil.rmtree(tmp_path / "ckpt" / store.manifest(1).tensors["t4"].array)
+    with pytest.raises(amber.CorruptDataError, match="t4"):
+        local_store(mode="r").load(1, lazy=False)
+
+
+def test_unknown_step_and_empty_store_raise_step_not_found(make_store):
+    store = make_store()
+    with pytest.raises(amber.StepNotFoundError, match="empty"):
+        store.load()
+    store.save(5, {"x": torch.ones(1)})
+    with pytest.raises(amber.StepNotFoundError, match=r"step 4 is not committed .*\[5\]"):
+        store.load(4)
+    with pytest.raises(amber.StepNotFoundError):
+        store.info(6)
+
+
+def test_saving_a_step_not_newer_than_the_latest_is_refused(make_store):
+    store = make_store()
+    store.save(5, {"x": torch.ones(1)})
+    for bad in (5, 3):
+        with pytest.raises(amber.StepOrderError, match="latest committed step 5"):
+            store.save(bad, {"x": torch.ones(1)})
+    with pytest.raises(ValueError):
+        store.save(-1, {})
+
+
+def test_unsupported_leaves_and_dtypes_are_refused_before_anything_is_written(make_store):
+    store = make_store()
+    with pytest.raises(amber.UnsupportedStateError, match="model/fn: cannot store a builtin_function_or_method"):
+        store.save(1, {"model": {"fn": print}})
+    with pytest.raises(amber.UnsupportedStateError, match="complex64"):
+        store.save(1, {"z": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(amber.UnsupportedStateError, match="key"):
+        store.save(1, {(1, 2): torch.zeros(1)})
+    assert store.steps() == []
+
+
+def test_read_only_store_refuses_to_save(make_store):
+    make_store().save(1, {"x": torch.ones(1)})
+    with pytest.raises(PermissionError, match="read-only"):
+        make_store(mode="r").save(2, {"x": torch.ones(1)})
+
+
+def test_wrong_uris_fail_at_open_with_a_clear_error(tmp_path):
+    with pytest.raises(amber.InvalidURIError, match="unsupported URI scheme 'nosuch'"):
+        amber.open("nosuch://bucket/x")
+    with pytest.raises(amber.InvalidURIError, match="needs a bucket"):
+        amber.open("s3:///prefix")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(amber.InvalidURIError, match="not a directory"):
+        amber.open(tmp_path / "file")
+    with pytest.raises(amber.NotAnAmberStoreError, match="nothing to read"):
+        amber.open(tmp_path / "missing", mode="r")
+    with pytest.raises(ValueError, match="mode"):
+        amber.open(tmp_path / "x", mode="rw")
+
+
+def test_foreign_data_is_never_written_into_or_wiped(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "precious.txt").write_text("keep me")
+    for mode in ("a", "w"):
+        with pytest.raises(amber.NotAnAmberStoreError, match="refusing"):
+            amber.open(tmp_path / "data", mode=mode)
+    assert (tmp_path / "data" / "precious.txt").read_text() == "keep me"
+
+
+def test_a_store_from_a_newer_format_version_is_refused(local_store, tmp_path):
+    local_store().save(1, {"x": torch.ones(1)})
+    root = tmp_path / "ckpt" / "zarr.json"
+    meta = json.loads(root.read_text())
+    meta["attributes"][fmt.ROOT_ATTR]["format_version"] = fmt.FORMAT_VERSION + 1
+    root.write_text(json.dumps(meta))
+    with pytest.raises(amber.FormatVersionError, match="upgrade amber-store"):
+        local_store(mode="r")
+
+
+def test_two_writers_committing_the_same_step_one_wins_and_the_other_is_told(make_store, monkeypatch):
+    a, b = make_store(), make_store()
+    a.save(1, {"x": torch.ones(3)})
+    original = amber.Store._commit
+
+    async def commit_after_rival(self, manifest):
+        if self is a:
+            await original(b, fmt.Manifest.from_json(manifest.to_json().replace(
+                manifest.attempt.encode(), b"rival000")))
+        await original(self, manifest)
+
+    monkeypatch.setattr(amber.Store, "_commit", commit_after_rival)
+    with pytest.raises(amber.ConcurrentWriterError, match="another writer committed step 2"):
+        a.save(2, {"x": torch.zeros(3)})
+    assert make_store(mode="r").manifest(2).attempt == "rival000"
+
+
+def test_a_store_reopened_in_a_new_process_reads_everything_back(local_store, tmp_path):
+    store = local_store()
+    s = state(7)
+    store.save(1, s)
+    s["t0"][0] = 42
+    store.save(2, s)
+    torch.save(s, tmp_path / "expected.pt")
+    code = (
+        "import sys, torch, amber_store as amber\n"
+        "st = amber.open(sys.argv[1], mode='r')\n"
+        "got = st.load(2, lazy=False)\n"
+        "want = torch.load(sys.argv[2])\n"
+        "assert st.steps() == [1, 2]\n"
+        "assert all(torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)) for k in want)\n"
+        "print('ok', len(got))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt"), str(tmp_path / "expected.pt")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok 6"

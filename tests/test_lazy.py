@@ -1,0 +1,83 @@
+"""Lazy state dicts: slices read the same bits as full reads, and only the chunks they need."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from zarr.storage import LocalStore
+
+import amber_store as amber
+from conftest import CountingStore, assert_bit_equal
+
+INDICES = [
+    0, -1, slice(None), slice(3, 40), slice(5, 60, 7), (slice(None), 3), (..., slice(2, 9)),
+    (10, ..., 4), (slice(60, 10),), (slice(2, 3), slice(None), slice(0, 5, 2)), (...,),
+]
+
+
+@pytest.mark.parametrize("index", INDICES, ids=repr)
+def test_lazy_slice_reads_the_same_bits_as_a_full_read(make_store, index):
+    store = make_store(chunk_bytes=512)
+    w = torch.randn(64, 12, 8)
+    store.save(1, {"w": w})
+    w2 = w.clone()
+    w2[7:30] *= 1.5
+    store.save(2, {"w": w2})  # a delta step: slices are reconstructed across the chain
+    lazy = make_store(mode="r").load(2)["w"]
+    assert lazy.shape == w2.shape and lazy.dtype == w2.dtype and len(lazy) == 64
+    assert_bit_equal(lazy[index], w2[index])
+    assert_bit_equal(lazy[index], lazy.materialize()[index])
+
+
+def test_bad_lazy_indices_raise_like_torch(make_store):
+    store = make_store()
+    store.save(1, {"w": torch.zeros(4, 4)})
+    lazy = store.load(1)["w"]
+    with pytest.raises(IndexError):
+        lazy[4]
+    with pytest.raises(IndexError):
+        lazy[0, 0, 0]
+    with pytest.raises(ValueError):
+        lazy[::-1]
+    with pytest.raises(TypeError, match="materialize"):
+        lazy[torch.tensor([0, 1])]
+
+
+def test_lazy_read_of_one_slice_touches_only_its_chunks_along_the_chain(tmp_path):
+    counting = CountingStore(LocalStore(tmp_path / "ckpt"))
+    store = amber.open(counting, chunk_bytes=16 * 1024)  # 4 rows of 1024 float32 per chunk
+    state = {"big": torch.randn(64, 1024), "other": torch.randn(64, 1024)}
+    store.save(1, state)
+    state["big"] += 1
+    state["other"] += 1
+    store.save(2, state)
+
+    reader = amber.open(counting, mode="r")
+    lazy = reader.load(2)
+    counting.reads.clear()
+    got = lazy["big"][9:11]  # rows 9-10: chunk 2 only
+    assert_bit_equal(got, state["big"][9:11])
+    chunk_reads = sorted(k for k in counting.reads if "/c/" in k)
+    groups = [reader.manifest(s).group for s in (1, 2)]
+    assert chunk_reads == sorted(f"{g}/big/c/2/0" for g in groups)
+    assert not any("other" in k for k in counting.reads)
+
+
+def test_loading_a_step_reads_nothing_but_its_manifest_until_used(tmp_path):
+    counting = CountingStore(LocalStore(tmp_path / "ckpt"))
+    store = amber.open(counting)
+    store.save(3, {"a": torch.ones(1000), "b": torch.ones(1000)})
+    counting.reads.clear()
+    lazy = amber.open(counting, mode="r").load(3)
+    assert lazy["a"].shape == (1000,)
+    assert set(counting.reads) == {"zarr.json", "commits/000000000003.json"}
+
+
+def test_materialize_returns_plain_containers_on_the_requested_device(make_store):
+    store = make_store()
+    state = {"m": {"w": torch.randn(3)}, "l": [torch.ones(2), 5], "t": (torch.zeros(1),)}
+    store.save(1, state)
+    out = store.load(1).materialize(device="cpu")
+    assert type(out["m"]) is dict and type(out["l"]) is list and type(out["t"]) is tuple
+    assert_bit_equal(out["m"]["w"], state["m"]["w"])
+    assert amber.materialize(store.load(1)["l"])[1] == 5
