@@ -285,6 +285,7 @@ class Manifest:
     created: float
     seconds: float
     attempt: str
+    writer: str = ""
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)

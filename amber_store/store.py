@@ -29,17 +29,19 @@ from zarr.storage import StorePath
 from . import format as fmt
 from .codecs import XorDeltaCodec
 from .errors import (
+    AmberError,
     ConcurrentWriterError,
     CorruptDataError,
     FormatVersionError,
     NotAnAmberStoreError,
     StepNotFoundError,
     StepOrderError,
+    StorageAccessError,
 )
 from .format import Manifest, TensorEntry
 from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import AccountingStore, Base, Writer, encode, json_buffer
-from .uri import Location, probe, resolve
+from .uri import Location, probe, put_if_absent, resolve
 
 Mode = Literal["r", "a", "w"]
 BasePolicy = Literal["chain", "full"]
@@ -74,7 +76,7 @@ class Store:
             last full step (reads touch two arrays; deltas grow as training drifts).
         chunk_bytes: target size of one chunk (one stored object before compression).
         compression_level: zstd level of every chunk.
-        verify: check each materialized chunk's crc32c on read.
+        verify_checksums: check each materialized chunk's crc32c on read.
         progress: show a tqdm bar while saving and loading.
     """
 
@@ -87,7 +89,7 @@ class Store:
         base_policy: BasePolicy = "chain",
         chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
         compression_level: int = 1,
-        verify: bool = True,
+        verify_checksums: bool = True,
         progress: bool = False,
         write_workers: int = 2,
         max_inflight_bytes: int = 1 << 30,
@@ -103,7 +105,7 @@ class Store:
         self.base_policy: BasePolicy = base_policy
         self.chunk_bytes = chunk_bytes
         self.compression_level = compression_level
-        self.verify = verify
+        self.verify_checksums = verify_checksums
         self.progress = progress
         self._write_workers = write_workers
         self._max_inflight = max_inflight_bytes
@@ -111,6 +113,8 @@ class Store:
         self._arrays: dict[str, AsyncArray[Any]] = {}
         self._cache_step: int | None = None
         self._cache: dict[str, torch.Tensor] = {}
+        self._writer = uuid.uuid4().hex[:12]
+        self._last_commit: int | None = None
         sync(self._init_root())
 
     # --- opening ------------------------------------------------------------------------
@@ -255,17 +259,39 @@ class Store:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         t0 = time.perf_counter()
         latest = self.latest()
+        self._check_sole_writer(latest)
         if latest is not None and step <= latest:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the latest committed step {latest}")
         tree, tensors = fmt.flatten(state_dict)
         prev = self.manifest(latest) if latest is not None else None
         base = self._choose_base(prev, full)
+        try:
+            manifest, values = self._write_step(step, tree, tensors, prev, base, t0)
+            sync(self._commit(manifest, latest))
+        except Exception as e:
+            if isinstance(e, AmberError) or not _is_storage_error(e):
+                raise
+            raise StorageAccessError(
+                f"{self.uri}: saving step {step} failed, the step is not committed and earlier steps "
+                f"are untouched ({type(e).__name__}: {e})"
+            ) from e
+        if self.base_policy == "chain" or base is None:
+            self._cache = values
+            self._cache_step = step
+        return CommitInfo(step, manifest.kind, manifest.base, manifest.nbytes_raw, manifest.nbytes_stored,
+                          time.perf_counter() - t0)
+
+    def _write_step(
+        self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], prev: Manifest | None,
+        base: Manifest | None, t0: float,
+    ) -> tuple[Manifest, dict[str, torch.Tensor]]:
+        """Encode and write every tensor into a fresh attempt group; returns the manifest to
+        commit and each tensor's new materialized bits (the next base)."""
         attempt = uuid.uuid4().hex[:8]
         group = fmt.step_group(step, attempt)
-        sync(self._write_groups(group, step, tensors))
-
         writer = Writer(self._zstore, workers=self._write_workers, max_inflight_bytes=self._max_inflight)
         try:
+            sync(self._write_groups(group, step, tensors))
             items = tqdm(tensors.items(), desc=f"save {step}", unit="tensor", disable=not self.progress)
             for key, tensor in items:
                 ref = self._base_for(base, key) if base is not None else None
@@ -273,11 +299,9 @@ class Store:
                     encode(key, tensor, ref, step=step, group=group, chunk_bytes=self.chunk_bytes,
                            level=self.compression_level)
                 )
-            done = writer.finish()
+            by_key = {enc.key: enc for enc in writer.finish()}
         finally:
             writer.close()
-
-        by_key = {enc.key: enc for enc in done}
         manifest = Manifest(
             step=step,
             kind="full" if base is None else "delta",
@@ -289,13 +313,9 @@ class Store:
             created=time.time(),
             seconds=time.perf_counter() - t0,
             attempt=attempt,
+            writer=self._writer,
         )
-        sync(self._commit(manifest))
-        if self.base_policy == "chain" or base is None:
-            self._cache = {key: by_key[key].value for key in tensors}
-            self._cache_step = step
-        return CommitInfo(step, manifest.kind, manifest.base, manifest.nbytes_raw, manifest.nbytes_stored,
-                          time.perf_counter() - t0)
+        return manifest, {key: by_key[key].value for key in tensors}
 
     def _choose_base(self, prev: Manifest | None, full: bool | None) -> Manifest | None:
         if prev is None or full is True:
@@ -329,17 +349,65 @@ class Store:
         empty = json_buffer(fmt.group_metadata())
         await asyncio.gather(*(self._zstore.set(f"{p}/zarr.json", empty) for p in parents))
 
-    async def _commit(self, manifest: Manifest) -> None:
+    async def _is_ours(self, key: str, manifest: Manifest) -> bool:
+        """Whether an existing commit object is this very attempt (a retried request that had
+        in fact succeeded before its connection failed)."""
+        raw = await self._zstore.get(key, default_buffer_prototype())
+        return raw is not None and Manifest.from_json(raw.to_bytes()).attempt == manifest.attempt
+
+    def _check_sole_writer(self, latest: int | None) -> None:
+        """Refuse to save once another writer has committed after this one.
+
+        A store object that has not committed yet may continue any run (a resumed job); once
+        it has, the newest step must stay its own, or two jobs are interleaving one history.
+        """
+        if self._last_commit is not None and latest != self._last_commit:
+            other = self.manifest(latest).writer if latest is not None else "?"
+            raise ConcurrentWriterError(
+                f"{self.uri}: step {latest} was committed by another writer ({other}) after this "
+                f"writer's ({self._writer}) step {self._last_commit}; two jobs are writing one store"
+            )
+
+    async def _commit(self, manifest: Manifest, latest: int | None) -> None:
+        if (now := (await self._steps() or [None])[-1]) != latest:
+            raise ConcurrentWriterError(
+                f"{self.uri}: step {now} was committed by another writer while step "
+                f"{manifest.step} was being saved; this save was not committed"
+            )
         key = fmt.commit_key(manifest.step)
-        data = manifest.to_json()
-        await self._zstore.set_if_not_exists(key, default_buffer_prototype().buffer.from_bytes(data))
-        stored = await self._zstore.get(key, default_buffer_prototype())
-        if stored is None or stored.to_bytes() != data:
+        if not await put_if_absent(self._loc, key, manifest.to_json()) and not await self._is_ours(key, manifest):
             raise ConcurrentWriterError(
                 f"{self.uri}: another writer committed step {manifest.step} first; this save "
                 f"(attempt {manifest.attempt}) was not committed and its data is orphaned"
             )
         self._manifests[manifest.step] = manifest
+        self._last_commit = manifest.step
+
+    # --- verifying ----------------------------------------------------------------------
+
+    def verify(self, step: int | None = None) -> dict[int, dict[str, str | None]]:
+        """Read every chunk of one step (``None``: every committed step) and check checksums.
+
+        Returns ``{step: {tensor key: None if intact else the error}}``; raises nothing for
+        damaged data, so one bad tensor does not hide the state of the others.
+        """
+        steps = self.steps() if step is None else [step]
+        report: dict[int, dict[str, str | None]] = {}
+        for s in tqdm(steps, desc="verify", unit="step", disable=not self.progress):
+            m = self.manifest(s)
+            report[s] = sync(self._verify_step(m))
+        return report
+
+    async def _verify_step(self, m: Manifest) -> dict[str, str | None]:
+        async def one(key: str, e: TensorEntry) -> str | None:
+            try:
+                await self._read_bits(m.step, key, _whole(e), check=True)
+            except CorruptDataError as err:
+                return str(err)
+            return None
+
+        errors = await asyncio.gather(*(one(key, e) for key, e in m.tensors.items()))
+        return dict(zip(m.tensors, errors))
 
     # --- loading ------------------------------------------------------------------------
 
@@ -372,11 +440,14 @@ class Store:
             self._arrays[path] = arr
         return arr
 
-    async def _read_bits(self, step: int, key: str, region: tuple[slice, ...]) -> np.ndarray:
-        """Materialized raw bits of a chunk-aligned ``region`` of ``key`` at ``step``, verified."""
+    async def _read_bits(self, step: int, key: str, region: tuple[slice, ...], check: bool | None = None) -> np.ndarray:
+        """Materialized raw bits of a chunk-aligned ``region`` of ``key`` at ``step``.
+
+        Checked against the saved crc32c per chunk when ``check`` (default: ``verify_checksums``).
+        """
         e = (await self._manifest(step)).tensors[key]
         data = await self._read_chain(step, key, e, region)
-        if self.verify:
+        if self.verify_checksums if check is None else check:
             self._check_crcs(step, key, e, region, data)
         return data
 
@@ -419,6 +490,12 @@ class Store:
                     f"{self.uri}: step {step}, tensor {key!r}, chunk {idx}: checksum mismatch "
                     f"(materialized data differs from what was saved)", step=step, tensor=key, chunk=idx,
                 )
+
+
+def _is_storage_error(e: BaseException) -> bool:
+    """I/O failures (disk, network, the object store's answers), as opposed to bugs."""
+    return isinstance(e, (OSError, TimeoutError)) or type(e).__module__.split(".")[0] in (
+        "botocore", "aiobotocore", "aiohttp", "s3fs")
 
 
 def _whole(e: TensorEntry) -> tuple[slice, ...]:

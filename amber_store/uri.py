@@ -10,8 +10,10 @@ secrets.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from urllib.parse import urlsplit
 
 import fsspec
 from zarr.abc.store import Store
-from zarr.core.buffer import Buffer
+from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
 from .errors import InvalidURIError, NotAnAmberStoreError, StorageAccessError
@@ -62,6 +64,8 @@ def _s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
     opts["config_kwargs"] = config_kwargs
     # Steps are discovered by listing; a cached listing would hide new commits.
     opts.setdefault("use_listings_cache", False)
+    # s3fs caches filesystems by their arguments, not by the environment: a cached one would
+    # keep the credentials (or their absence) of an earlier open.
     opts.setdefault("skip_instance_cache", True)
     return opts
 
@@ -104,6 +108,44 @@ def resolve(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None 
     except (TypeError, ValueError, ImportError) as e:
         raise InvalidURIError(f"{text}: cannot create a {scheme} filesystem: {e}") from None
     return Location(store, text, scheme, fs=store.fs, path=store.path)
+
+
+async def put_if_absent(loc: Location, key: str, data: bytes) -> bool:
+    """Create ``key`` holding ``data`` only if it does not exist; ``False`` if it did.
+
+    Atomic where the backend allows: a local file is written aside and hard-linked into place
+    (link fails if the name exists, and readers never see a partial file); S3 uses a
+    conditional PUT (``If-None-Match: *``), which AWS S3, MinIO and moto honour. Other
+    backends fall back to zarr's check-then-set, which two racing writers can both pass.
+    """
+    if loc.scheme == "file":
+        return await asyncio.to_thread(_link_into_place, Path(loc.path) / key, data)
+    if loc.scheme == "s3":
+        try:
+            await loc.fs._pipe_file(f"{loc.path}/{key}", data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+    buf = default_buffer_prototype().buffer.from_bytes(data)
+    await loc.store.set_if_not_exists(key, buf)
+    stored = await loc.store.get(key, default_buffer_prototype())
+    return stored is not None and stored.to_bytes() == data
+
+
+def _link_into_place(path: Path, data: bytes) -> bool:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
 
 
 async def probe(loc: Location) -> None:

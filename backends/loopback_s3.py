@@ -35,7 +35,11 @@ class LoopbackS3:
         self._server = None
 
     def start(self) -> "LoopbackS3":
+        import logging
+
         from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
         # moto signs nothing, but botocore refuses to send requests without some credentials.
         os.environ.setdefault("AWS_ACCESS_KEY_ID", ACCESS_KEY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -177,21 +178,69 @@ def test_a_store_from_a_newer_format_version_is_refused(local_store, tmp_path):
         local_store(mode="r")
 
 
-def test_two_writers_committing_the_same_step_one_wins_and_the_other_is_told(make_store, monkeypatch):
-    a, b = make_store(), make_store()
+def test_two_writers_saving_the_same_step_at_once_commit_exactly_one(make_store):
+    stores = [make_store(), make_store()]
+    stores[0].save(1, {"x": torch.ones(3)})
+    barrier = threading.Barrier(2)
+    outcomes: list[object] = [None, None]
+
+    def save(i: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[i] = stores[i].save(2, {"x": torch.full((3,), float(i))})
+        except amber.AmberError as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [i for i, o in enumerate(outcomes) if isinstance(o, amber.CommitInfo)]
+    assert len(won) == 1, outcomes
+    lost = outcomes[1 - won[0]]
+    assert isinstance(lost, (amber.ConcurrentWriterError, amber.StepOrderError)), lost
+    assert_bit_equal(make_store(mode="r").load(2)["x"].materialize(), torch.full((3,), float(won[0])))
+
+
+def test_a_writer_stops_once_another_writer_has_committed_after_it(make_store):
+    first, second = make_store(), make_store()
+    first.save(1, {"x": torch.ones(1)})
+    second.save(2, {"x": torch.ones(1)})  # a fresh writer may continue a run (a resumed job)
+    with pytest.raises(amber.ConcurrentWriterError, match="step 2 was committed by another writer"):
+        first.save(3, {"x": torch.ones(1)})
+    assert make_store(mode="r").steps() == [1, 2]
+
+
+def test_a_commit_by_another_writer_during_a_save_aborts_that_save(make_store, monkeypatch):
+    a, rival = make_store(), make_store()
     a.save(1, {"x": torch.ones(3)})
-    original = amber.Store._commit
+    original = amber.Store._write_groups
 
-    async def commit_after_rival(self, manifest):
+    async def rival_commits_meanwhile(self, *args):
         if self is a:
-            await original(b, fmt.Manifest.from_json(manifest.to_json().replace(
-                manifest.attempt.encode(), b"rival000")))
-        await original(self, manifest)
+            monkeypatch.setattr(amber.Store, "_write_groups", original)
+            await asyncio.to_thread(rival.save, 5, {"x": torch.zeros(3)})
+        await original(self, *args)
 
-    monkeypatch.setattr(amber.Store, "_commit", commit_after_rival)
-    with pytest.raises(amber.ConcurrentWriterError, match="another writer committed step 2"):
+    monkeypatch.setattr(amber.Store, "_write_groups", rival_commits_meanwhile)
+    with pytest.raises(amber.ConcurrentWriterError, match="while step 2 was being saved"):
         a.save(2, {"x": torch.zeros(3)})
-    assert make_store(mode="r").manifest(2).attempt == "rival000"
+    assert make_store(mode="r").steps() == [1, 5]
+
+
+def test_commit_objects_are_created_exclusively_under_racing_writers(make_store):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from zarr.core.sync import sync
+
+    from amber_store.uri import put_if_absent
+
+    store = make_store()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: sync(put_if_absent(store._loc, "commits/race.json", b"%d" % i)), range(8)))
+    assert results.count(True) == 1
+    assert sync(put_if_absent(store._loc, "commits/race.json", b"late")) is False
 
 
 def test_a_store_reopened_in_a_new_process_reads_everything_back(local_store, tmp_path):

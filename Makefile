@@ -1,0 +1,29 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.amber-installed
+# Extra pip arguments for the torch install, e.g. PyTorch's CPU-only wheel index on a machine
+# with internet access. torch is installed alone and first, pinned, so that resolving the
+# project's own range never pulls a multi-GB CUDA build.
+TORCH_INDEX ?=
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0 $(TORCH_INDEX)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/amber-store demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) amber-demo .pytest_cache
