@@ -154,11 +154,18 @@ class Store:
             )
 
     def close(self) -> None:
-        """Drop cached state. The store holds no open writes between calls."""
+        """Drop cached state and close the storage client's connections.
+
+        The store holds no open writes between calls; closing only frees memory and sockets.
+        """
         self._cache.clear()
         self._cache_step = None
         self._manifests.clear()
         self._arrays.clear()
+        client = getattr(self._loc.fs, "_s3", None)
+        if client is not None:
+            sync(client.close())
+            self._loc.fs._s3 = None
 
     def __enter__(self) -> "Store":
         return self
@@ -460,7 +467,7 @@ class Store:
 
         async def own() -> np.ndarray:
             try:
-                return np.array(await arr.getitem(region), copy=True)
+                return np.asarray(await arr.getitem(region))
             except (ValueError, RuntimeError) as err:
                 raise CorruptDataError(
                     f"{self.uri}: step {step}, tensor {key!r}: stored chunk failed its checksum or "

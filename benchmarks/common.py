@@ -1,0 +1,42 @@
+"""Helpers shared by the benchmark scripts: timing with medians and spread, sizes, tables."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def clock(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of one call."""
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
+
+
+def rate(mb: float, seconds: list[float]) -> str:
+    """Throughput as "median (slowest-fastest)" MB/s over repeated runs."""
+    rates = sorted(mb / s for s in seconds)
+    return f"{statistics.median(rates):.0f} ({rates[0]:.0f}-{rates[-1]:.0f})"
+
+
+def median_rate(mb: float, seconds: list[float]) -> float:
+    return statistics.median(mb / s for s in seconds)
+
+
+def machine() -> str:
+    import os
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, {platform.system()}")
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A GitHub-flavoured markdown table."""
+    cells = [[str(c) for c in r] for r in rows]
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in cells]
+    return "\n".join(out)
