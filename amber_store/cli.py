@@ -1,4 +1,4 @@
-"""``amber-store``: list, inspect, verify checkpoints, and run the demo."""
+"""``amber-store``: list, inspect, verify, garbage-collect, export and import checkpoints; the demo."""
 
 from __future__ import annotations
 
@@ -86,6 +86,59 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    report = _open(args, mode="a").gc(args.keep_last, args.keep_every, dry_run=args.dry_run,
+                                      grace_seconds=args.grace)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+        return 0
+    verb = "would" if args.dry_run else "did"
+    print(f"keep {len(report.keep)} step(s): {report.keep}")
+    print(f"{verb} delete {len(report.delete)} step(s): {report.delete}")
+    print(f"{verb} fold {len(report.rewrite)} kept step(s) off deleted ones: {report.rewrite}"
+          + (f" ({_human(report.bytes_written)} written)" if not args.dry_run else ""))
+    print(f"{verb} remove {len(report.orphans)} unreferenced object(s)")
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    store = _open(args, mode="a")
+    if args.step is None:
+        store.unpin(args.name)
+    else:
+        store.pin(args.step, args.name)
+    pins = store.pins()
+    print(json.dumps(pins, indent=1) if args.json else "\n".join(f"{n}: {s}" for n, s in sorted(pins.items())))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    path = _open(args).export(args.step, args.out, format=args.format, subtree=args.subtree)
+    print(json.dumps({"path": str(path)}) if args.json else f"wrote step {args.step} to {path}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    info = _open(args, mode="a").import_checkpoint(args.step, args.input, format=args.format)
+    if args.json:
+        print(json.dumps({"step": info.step, "nbytes_raw": info.nbytes_raw, "nbytes_stored": info.nbytes_stored}))
+    else:
+        print(f"imported {args.input} as full step {info.step}: {_human(info.nbytes_stored)} stored")
+    return 0
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    du = _open(args).du()
+    if args.json:
+        print(json.dumps(du, indent=1))
+        return 0
+    print(f"total {_human(du['total'])} in {len(du['steps'])} step(s)")
+    print("by group: " + ", ".join(f"{g} {_human(b)}" for g, b in sorted(du["groups"].items())))
+    for step, b in du["steps"].items():
+        print(f"{step:>10} {_human(b):>10}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run
 
@@ -98,7 +151,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="amber-store",
-        description="Inspect and check amber-store checkpoints. URIs: a local path, file://, memory://, "
+        description="List, inspect, verify, garbage-collect, export and import amber-store checkpoints. URIs: a local path, file://, memory://, "
                     "s3://bucket/prefix. S3 credentials and endpoint come from the AWS environment "
                     "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION) or the flags.",
     )
@@ -121,6 +174,29 @@ def parser() -> argparse.ArgumentParser:
     sp = add("verify", "read every chunk and check its checksum; exit 1 on any damage")
     sp.add_argument("step", type=int, nargs="?", help="one step (default: all)")
     sp.set_defaults(func=cmd_verify)
+    sp = add("gc", "delete steps outside a retention policy, folding kept steps off them; remove orphans")
+    sp.add_argument("--keep-last", type=int, help="keep the newest N steps (default: keep all, only sweep orphans)")
+    sp.add_argument("--keep-every", type=int, help="also keep every step divisible by K")
+    sp.add_argument("--dry-run", action="store_true", help="report what would happen, change nothing")
+    sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+                    help="spare uncommitted data newer than the latest step younger than this (default 3600)")
+    sp.set_defaults(func=cmd_gc)
+    sp = add("pin", "pin STEP under NAME so gc keeps it (no STEP: unpin NAME); prints the pins")
+    sp.add_argument("name")
+    sp.add_argument("step", type=int, nargs="?")
+    sp.set_defaults(func=cmd_pin)
+    sp = add("export", "write a step as .safetensors (model tensors) or a torch.save file (.pt)")
+    sp.add_argument("step", type=int)
+    sp.add_argument("out")
+    sp.add_argument("--format", choices=["safetensors", "torch"], help="default: from OUT's suffix")
+    sp.add_argument("--subtree", help="safetensors: the part of the state to export (default: model)")
+    sp.set_defaults(func=cmd_export)
+    sp = add("import", "save a torch.save or safetensors file as a full step")
+    sp.add_argument("step", type=int)
+    sp.add_argument("input")
+    sp.add_argument("--format", choices=["safetensors", "torch"], help="default: from INPUT's suffix")
+    sp.set_defaults(func=cmd_import)
+    add("du", "stored bytes by step and by top-level group (model, optim, ...)").set_defaults(func=cmd_du)
     sp = add("demo", "train a small GPT on CPU, checkpoint it, verify a historical step", uri=False)
     sp.add_argument("--uri", default="./amber-demo", help="where to checkpoint (wiped first; default ./amber-demo)")
     sp.add_argument("--steps", type=int, default=300)
@@ -137,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AmberError as e:
         print(f"amber-store: error: {e}", file=sys.stderr)
         return 2
-    except PermissionError as e:
+    except (PermissionError, ValueError, FileNotFoundError) as e:
         print(f"amber-store: error: {e}", file=sys.stderr)
         return 2
 

@@ -38,7 +38,12 @@ from .format import (
 
 @dataclass
 class Base:
-    """The materialized value of one tensor at a committed step, as host bits."""
+    """The materialized value of one tensor, as host bits, and the entry that stores it.
+
+    ``entry`` is ``full`` or ``xor`` (never ``same``) and belongs to ``step``: a delta against
+    this base names the step whose array actually holds the data, so chains skip steps that
+    changed nothing (and deleting those steps breaks nothing).
+    """
 
     step: int
     entry: TensorEntry
@@ -75,10 +80,12 @@ def encode(
     group: str,
     chunk_bytes: int,
     level: int,
+    chunks: tuple[int, ...] | None = None,
 ) -> Encoded:
     """Encode one tensor of step ``step`` against ``base`` (``None``: write it full).
 
-    A base whose shape or dtype differs is ignored: that tensor is written full.
+    A base whose shape or dtype differs is ignored: that tensor is written full, in ``chunks``
+    if given, else in chunks of about ``chunk_bytes``.
     """
     tensor = tensor.detach()
     name = dtype_name(tensor.dtype)
@@ -89,7 +96,7 @@ def encode(
     array = f"{group}/{key}"
     nbytes = tensor.numel() * tensor.element_size()
     if base is None:
-        chunks = choose_chunks(shape, tensor.element_size(), chunk_bytes)
+        chunks = chunks or choose_chunks(shape, tensor.element_size(), chunk_bytes)
         value = bits.to("cpu", copy=True)
         entry = TensorEntry(name, list(shape), list(chunks), "full", None, array, chunk_crcs(value, chunks), nbytes)
         codecs = storage_codecs(name, level, None)
@@ -97,20 +104,16 @@ def encode(
         return Encoded(key, entry, bits_to_numpy(value), value, array_metadata(name, shape, chunks, codecs, attrs))
 
     chunks = tuple(base.entry.chunks)
-    # A "same" base entry points at the step that holds the data; diff against that one so
-    # chains skip steps that changed nothing (and deleting those steps breaks nothing).
-    base_step = base.entry.base if base.entry.encoding == "same" else base.step
     delta = XorDeltaCodec.diff(bits, base.bits)
     if not bool(delta.any()):
-        entry = TensorEntry(name, list(shape), list(chunks), "same", base_step, None, base.entry.crc32c, nbytes)
+        entry = TensorEntry(name, list(shape), list(chunks), "same", base.step, None, base.entry.crc32c, nbytes)
         return Encoded(key, entry, None, base.bits, None)
     delta_host = delta.to("cpu")
     value = torch.bitwise_xor(base.bits, delta_host)
-    base_array = base.entry.array
-    assert base_array is not None
-    codec = XorDeltaCodec(base_step=base_step, base_array=base_array)
-    entry = TensorEntry(name, list(shape), list(chunks), "xor", base_step, array, chunk_crcs(value, chunks), nbytes)
-    attrs = {"dtype": name, "step": step, "encoding": "xor", "base_step": base_step}
+    assert base.entry.array is not None, "a base entry must hold data (full or xor)"
+    codec = XorDeltaCodec(base_step=base.step, base_array=base.entry.array)
+    entry = TensorEntry(name, list(shape), list(chunks), "xor", base.step, array, chunk_crcs(value, chunks), nbytes)
+    attrs = {"dtype": name, "step": step, "encoding": "xor", "base_step": base.step}
     meta = array_metadata(name, shape, chunks, storage_codecs(name, level, codec), attrs)
     return Encoded(key, entry, bits_to_numpy(delta_host), value, meta)
 

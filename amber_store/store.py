@@ -27,6 +27,8 @@ from zarr.core.sync import sync
 from zarr.storage import StorePath
 
 from . import format as fmt
+from . import export as export_
+from . import retention
 from .codecs import XorDeltaCodec
 from .errors import (
     AmberError,
@@ -41,7 +43,8 @@ from .errors import (
 from .format import Manifest, TensorEntry
 from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import AccountingStore, Base, Writer, encode, json_buffer
-from .uri import Location, probe, put_if_absent, resolve
+from .retention import GCReport
+from .uri import Location, probe, put_atomic, put_if_absent, resolve
 
 Mode = Literal["r", "a", "w"]
 BasePolicy = Literal["chain", "full"]
@@ -260,8 +263,7 @@ class Store:
         follows ``full_every``. Raises :class:`StepOrderError` unless ``step`` is newer than
         every committed step. On any error nothing becomes visible.
         """
-        if self.mode == "r":
-            raise PermissionError(f"{self.uri}: opened read-only (mode='r')")
+        self._require_writable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         t0 = time.perf_counter()
@@ -335,14 +337,27 @@ class Store:
         return prev
 
     def _base_for(self, base: Manifest, key: str) -> Base | None:
+        """The value of ``key`` at step ``base``, and the entry that holds its data."""
         entry = base.tensors.get(key)
         if entry is None:
             return None
+        holder = base.step
+        if entry.encoding == "same":
+            assert entry.base is not None
+            holder, entry = entry.base, self.manifest(entry.base).tensors[key]
         if self._cache_step == base.step and key in self._cache:
-            return Base(base.step, entry, self._cache[key])
+            return Base(holder, entry, self._cache[key])
         # Another process wrote the base, or this store was just opened: read it once.
-        bits = sync(self._read_bits(base.step, key, _whole(entry)))
-        return Base(base.step, entry, fmt.numpy_to_tensor(bits, entry.dtype).view(fmt.bits_torch_dtype(entry.dtype)))
+        return Base(holder, entry, fmt.to_bits(self._materialized(holder, key)))
+
+    def _materialized(self, step: int, key: str) -> torch.Tensor:
+        e = self.manifest(step).tensors[key]
+        return fmt.numpy_to_tensor(sync(self._read_bits(step, key, _whole(e))), e.dtype)
+
+    def _forget(self) -> None:
+        """Drop cached manifests and array handles (after gc rewrote or removed some)."""
+        self._manifests.clear()
+        self._arrays.clear()
 
     async def _write_groups(self, group: str, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """zarr.json of the step group and of every nested container, so plain zarr can browse."""
@@ -351,7 +366,7 @@ class Store:
             while p.count("/") > group.count("/") + 1:
                 p = p.rsplit("/", 1)[0]
                 parents.add(p)
-        top = fmt.group_metadata({fmt.ROOT_ATTR: {"step": step}})
+        top = fmt.group_metadata({fmt.ROOT_ATTR: {"step": step, "created": time.time()}})
         await self._zstore.set(f"{group}/zarr.json", json_buffer(top))
         empty = json_buffer(fmt.group_metadata())
         await asyncio.gather(*(self._zstore.set(f"{p}/zarr.json", empty) for p in parents))
@@ -389,6 +404,72 @@ class Store:
             )
         self._manifests[manifest.step] = manifest
         self._last_commit = manifest.step
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def gc(self, keep_last: int | None = None, keep_every: int | None = None, *, dry_run: bool = False,
+           grace_seconds: float = 3600.0) -> GCReport:
+        """Delete steps outside the retention policy without breaking any kept step.
+
+        Keeps the last ``keep_last`` steps (``None``: all), every step divisible by
+        ``keep_every``, and every pinned step; kept steps that depend on deleted ones are folded
+        first, so they still materialize bit-exactly. Also removes the data of crashed saves
+        (of a step newer than the latest commit only once ``grace_seconds`` old: it may be a
+        save in progress). Safe to interrupt; see :mod:`amber_store.retention`. Run it from the
+        writing process, or while no other process saves or reads.
+        """
+        self._require_writable()
+        return retention.gc(self, keep_last, keep_every, dry_run=dry_run, grace_seconds=grace_seconds)
+
+    def pin(self, step: int, name: str) -> None:
+        """Keep ``step`` through every ``gc`` until ``unpin(name)``."""
+        self._require_writable()
+        self.manifest(step)
+        data = json.dumps({"step": step}).encode()
+        sync(put_atomic(self._loc, retention.pin_key(name), data))
+
+    def unpin(self, name: str) -> None:
+        self._require_writable()
+        sync(self._zstore.delete(retention.pin_key(name)))
+
+    def pins(self) -> dict[str, int]:
+        """``{pin name: step}``."""
+        return sync(self._pins())
+
+    async def _pins(self) -> dict[str, int]:
+        out = {}
+        async for name in self._zstore.list_dir(retention.PINS_DIR):
+            if name.endswith(".json"):
+                raw = await self._zstore.get(f"{retention.PINS_DIR}/{name}", default_buffer_prototype())
+                if raw is not None:
+                    out[name[: -len(".json")]] = int(json.loads(raw.to_bytes())["step"])
+        return out
+
+    def export(self, step: int, path: str | os.PathLike[str], *, format: str | None = None,
+               subtree: str | None = None) -> Any:
+        """Write ``step`` as a safetensors or ``torch.save`` file (format from the suffix);
+        see :func:`amber_store.export.export`."""
+        return export_.export(self, step, path, format=format, subtree=subtree)  # type: ignore[arg-type]
+
+    def import_checkpoint(self, step: int, path: str | os.PathLike[str], *, format: str | None = None) -> CommitInfo:
+        """Save an existing ``torch.save`` or safetensors file as a full ``step``."""
+        return export_.import_checkpoint(self, step, path, format=format)  # type: ignore[arg-type]
+
+    def du(self) -> dict[str, Any]:
+        """Stored bytes by step and by top-level group of the state (``model``, ``optim``, ...)."""
+        by_step: dict[int, int] = {}
+        by_group: dict[str, int] = {}
+        for step in self.steps():
+            m = self.manifest(step)
+            by_step[step] = m.nbytes_stored
+            for key, e in m.tensors.items():
+                group = key.split("/", 1)[0]
+                by_group[group] = by_group.get(group, 0) + e.stored
+        return {"total": sum(by_step.values()), "steps": by_step, "groups": by_group}
+
+    def _require_writable(self) -> None:
+        if self.mode == "r":
+            raise PermissionError(f"{self.uri}: opened read-only (mode='r')")
 
     # --- verifying ----------------------------------------------------------------------
 

@@ -132,13 +132,27 @@ async def put_if_absent(loc: Location, key: str, data: bytes) -> bool:
     return stored is not None and stored.to_bytes() == data
 
 
-def _link_into_place(path: Path, data: bytes) -> bool:
+async def put_atomic(loc: Location, key: str, data: bytes) -> None:
+    """Create or replace ``key``; readers see the old object or the new one, never a mix."""
+    if loc.scheme == "file":
+        await asyncio.to_thread(_replace_into_place, Path(loc.path) / key, data)
+    else:  # an S3 PUT, and a memory store's set, replace an object in one step
+        await loc.store.set(key, default_buffer_prototype().buffer.from_bytes(data))
+
+
+def _write_aside(path: Path, data: bytes) -> Path:
+    """A fully written, fsynced temporary file next to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return tmp
+
+
+def _link_into_place(path: Path, data: bytes) -> bool:
+    tmp = _write_aside(path, data)
     try:
         os.link(tmp, path)
         return True
@@ -146,6 +160,10 @@ def _link_into_place(path: Path, data: bytes) -> bool:
         return False
     finally:
         tmp.unlink()
+
+
+def _replace_into_place(path: Path, data: bytes) -> None:
+    os.replace(_write_aside(path, data), path)
 
 
 async def probe(loc: Location) -> None:

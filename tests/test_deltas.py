@@ -33,6 +33,28 @@ def test_frozen_tensor_costs_zero_bytes_and_no_array_in_a_delta_step(make_store)
     assert_bit_equal(store.load(2)["frozen"].materialize(), frozen)
 
 
+def test_a_tensor_that_changes_again_after_unchanged_steps_diffs_against_its_data(make_store):
+    store = make_store()
+    w = torch.randn(32, 32)
+    store.save(1, {"w": w})
+    store.save(2, {"w": w})  # same as 1
+    store.save(3, {"w": w})  # same as 1 (not as 2: no chain through empty steps)
+    w2 = w.clone()
+    w2[0, 0] = 5.0
+    store.save(4, {"w": w2})
+    entries = [store.manifest(s).tensors["w"] for s in (2, 3, 4)]
+    assert [(e.encoding, e.base) for e in entries] == [("same", 1), ("same", 1), ("xor", 1)]
+    assert store.info(4)["chain"] == [1, 4]
+    reader = make_store(mode="r")
+    assert_bit_equal(reader.load(4)["w"].materialize(), w2)
+    reader2 = make_store()  # a fresh writer has no cached base: it reads step 4 back to diff against it
+    store2_state = w2.clone()
+    store2_state[1, 1] = 7.0
+    reader2.save(5, {"w": store2_state})
+    assert reader2.manifest(5).tensors["w"].base == 4
+    assert_bit_equal(make_store(mode="r").load(5)["w"].materialize(), store2_state)
+
+
 def test_only_changed_chunks_of_a_tensor_are_written(make_store):
     store = make_store(chunk_bytes=4 * 1024)  # 4 KiB chunks of a (64, 64) float32: one per 16 rows
     w = torch.randn(64, 64)

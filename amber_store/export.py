@@ -1,0 +1,81 @@
+"""Checkpoints in and out of standard formats: safetensors and torch.save files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from .errors import UnsupportedStateError
+from .lazy import materialize
+
+if TYPE_CHECKING:
+    from .store import CommitInfo, Store
+
+Format = Literal["safetensors", "torch"]
+_SUFFIXES: dict[str, Format] = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
+                                ".ckpt": "torch"}
+
+
+def file_format(path: str | os.PathLike[str], format: Format | None) -> Format:
+    if format is not None:
+        if format not in ("safetensors", "torch"):
+            raise ValueError(f"format must be 'safetensors' or 'torch', not {format!r}")
+        return format
+    suffix = Path(path).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise ValueError(f"{path}: cannot tell the format from {suffix!r}; pass format='safetensors' or 'torch'")
+    return _SUFFIXES[suffix]
+
+
+def _flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensors of a nested state, keyed by their '.'-joined path (a model state dict stays as is)."""
+    out: dict[str, torch.Tensor] = {}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        key = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            out[key] = v.contiguous()
+        else:
+            out.update(_flat_tensors(v, key + "."))
+    return out
+
+
+def export(store: Store, step: int, path: str | os.PathLike[str], *, format: Format | None = None,
+           subtree: str | None = None) -> Path:
+    """Write ``step`` to ``path``. torch: the whole state, exactly as saved, via ``torch.save``.
+    safetensors: the tensors of ``subtree`` (default: ``"model"`` when the state has it, else
+    all), keyed by their dotted path, so ``model.load_state_dict(load_file(path))`` works."""
+    fmt_ = file_format(path, format)
+    path = Path(path)
+    if fmt_ == "torch":
+        torch.save(store.load(step, lazy=False), path)
+        return path
+    from safetensors.torch import save_file
+
+    node = store.load(step)
+    if subtree is None and isinstance(node, Mapping) and "model" in node:
+        subtree = "model"
+    for part in subtree.split("/") if subtree else []:
+        node = node[part]
+    tensors = _flat_tensors(materialize(node))
+    if not tensors:
+        raise UnsupportedStateError(f"step {step}: no tensors under {subtree or 'the root'!r} to export")
+    save_file(tensors, str(path), metadata={"amber_store.step": str(step), "amber_store.subtree": subtree or ""})
+    return path
+
+
+def import_checkpoint(store: Store, step: int, path: str | os.PathLike[str], *, format: Format | None = None) -> CommitInfo:
+    """Save a ``torch.save`` file (loaded with ``weights_only=True``) or a safetensors file as a
+    full step."""
+    fmt_ = file_format(path, format)
+    if fmt_ == "torch":
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    return store.save(step, state, full=True)

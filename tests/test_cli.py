@@ -1,0 +1,110 @@
+"""The amber-store command line, end to end in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import amber_store as amber
+
+CLI = [sys.executable, "-m", "amber_store.cli"]
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def filled(tmp_path: Path) -> Path:
+    uri = tmp_path / "ckpt"
+    store = amber.open(uri, full_every=3)
+    w = torch.zeros(64, 64)
+    for step in range(1, 8):
+        w[step] = step
+        store.save(step * 10, {"model": {"w": w}, "optim": {"m": w * 2}, "step": step})
+    return uri
+
+
+def test_ls_info_du_list_steps_and_bytes_as_text_and_json(filled):
+    out = run("ls", str(filled))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:3] == ["step", "kind", "base"] and len(lines) == 8
+    rows = json.loads(run("ls", str(filled), "--json").stdout)
+    assert [r["step"] for r in rows] == [10, 20, 30, 40, 50, 60, 70]
+    assert [r["kind"] for r in rows] == ["full", "delta", "delta"] * 2 + ["full"]
+    info = json.loads(run("info", str(filled), "30", "--json").stdout)
+    assert info["chain"] == [10, 20, 30] and info["tensors"]["model/w"]["encoding"] == "xor"
+    assert "model/w" in run("info", str(filled), "30").stdout
+    du = json.loads(run("du", str(filled), "--json").stdout)
+    assert set(du["groups"]) == {"model", "optim"}
+
+
+def test_verify_passes_then_fails_with_exit_1_on_a_flipped_byte(filled):
+    ok = run("verify", str(filled), "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+    store = amber.open(filled, mode="r")
+    array = store.manifest(10).tensors["optim/m"].array
+    chunk = next(p for p in (filled / array / "c").rglob("*") if p.is_file())
+    data = bytearray(chunk.read_bytes())
+    data[-10] ^= 1
+    chunk.write_bytes(bytes(data))
+    bad = run("verify", str(filled))
+    assert bad.returncode == 1
+    assert "FAIL step 10 tensor optim/m" in bad.stdout and "DAMAGED" in bad.stdout
+    assert run("verify", str(filled), "40").returncode == 0  # a step outside that chain is fine
+
+
+def test_gc_dry_run_changes_nothing_and_gc_keeps_the_policy(filled):
+    dry = json.loads(run("gc", str(filled), "--keep-last", "2", "--keep-every", "30", "--dry-run", "--json").stdout)
+    assert dry["keep"] == [30, 60, 70] and dry["dry_run"] is True
+    assert amber.open(filled, mode="r").steps() == [10, 20, 30, 40, 50, 60, 70]
+    assert run("pin", str(filled), "first", "10").returncode == 0
+    real = run("gc", str(filled), "--keep-last", "2", "--keep-every", "30")
+    assert real.returncode == 0, real.stderr
+    assert amber.open(filled, mode="r").steps() == [10, 30, 60, 70]
+    assert run("verify", str(filled)).returncode == 0
+
+
+def test_export_and_import_round_trip_through_files(filled, tmp_path):
+    out = run("export", str(filled), "50", str(tmp_path / "m.safetensors"))
+    assert out.returncode == 0, out.stderr
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "m.safetensors")
+    assert torch.equal(exported["w"], amber.open(filled, mode="r").load(50)["model"]["w"].materialize())
+    assert run("export", str(filled), "50", str(tmp_path / "all.pt")).returncode == 0
+    imported = run("import", str(tmp_path / "other"), "1", str(tmp_path / "all.pt"))
+    assert imported.returncode == 0, imported.stderr
+    got = amber.open(tmp_path / "other", mode="r").load(1, lazy=False)
+    assert got["step"] == 5 and torch.equal(got["optim"]["m"], exported["w"] * 2)
+
+
+def test_errors_exit_2_with_a_one_line_message(filled, tmp_path):
+    cases = [
+        (("ls", "nosuch://x"), "unsupported URI scheme"),
+        (("info", str(filled), "11"), "step 11 is not committed"),
+        (("ls", str(tmp_path / "missing")), "nothing to read"),
+        (("export", str(filled), "10", str(tmp_path / "x.unknown")), "cannot tell the format"),
+    ]
+    for args, message in cases:
+        out = run(*args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert out.stderr.startswith("amber-store: error:") and message in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+@pytest.mark.s3
+def test_missing_credentials_on_s3_exit_2_without_a_traceback(s3_server, tmp_path):
+    env = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
+    endpoint = s3_server.storage_options()["endpoint_url"]
+    out = run("ls", "s3://amber-test/none", "--endpoint-url", endpoint, env=env)
+    assert out.returncode == 2 and "credentials" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,204 @@
+"""Retention, chain-folding GC, orphan cleanup, export and import."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from zarr.core.buffer import Buffer
+from zarr.core.sync import collect_aiterator
+from zarr.storage import LocalStore, WrapperStore
+
+import amber_store as amber
+from amber_store.demo import GPTConfig, TinyGPT
+from conftest import assert_tree_bit_equal
+
+
+def trajectory(store: amber.Store, steps: int = 30) -> dict[int, dict]:
+    """A 30-step run with fulls every 7 steps, a frozen tensor and a tensor that appears late."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=g)
+    frozen = torch.randn(100, generator=g)
+    expected = {}
+    for step in range(1, steps + 1):
+        w += 1e-3 * torch.randn(w.shape, generator=g)
+        state = {"model": {"w": w, "frozen": frozen}, "step": step}
+        if step >= 12:
+            state["model"]["late"] = torch.full((3,), float(step // 5))
+        store.save(step, state)
+        expected[step] = {"model": {k: v.clone() for k, v in state["model"].items()}, "step": step}
+    return expected
+
+
+def all_keys(store: amber.Store) -> list[str]:
+    return list(collect_aiterator(store._zstore.list_prefix("")))
+
+
+def test_gc_keeps_every_retained_step_bit_exact_and_bounds_storage(make_store):
+    store = make_store(full_every=7, chunk_bytes=2048)
+    expected = trajectory(store)
+    store.pin(4, "best")
+    objects_before = len(all_keys(store))
+    plan = store.gc(keep_last=5, keep_every=10, dry_run=True)
+    assert plan.keep == [4, 10, 20, 26, 27, 28, 29, 30]
+    assert store.steps() == list(range(1, 31)) and len(all_keys(store)) == objects_before  # dry run
+    report = store.gc(keep_last=5, keep_every=10)
+    assert report.keep == plan.keep and report.delete == plan.delete and report.rewrite == plan.rewrite
+    assert report.rewrite  # the kept steps did depend on deleted ones
+    reader = make_store(mode="r")
+    assert reader.steps() == plan.keep
+    for step in plan.keep:
+        assert_tree_bit_equal(reader.load(step, lazy=False), expected[step])
+        assert set(reader.info(step)["chain"]) <= set(plan.keep)
+    assert len(all_keys(store)) < objects_before
+    assert store.gc(keep_last=5, keep_every=10).rewrite == []  # nothing left to fold
+    # and saving continues on the folded chain
+    state = {"model": {k: v + 1 for k, v in expected[30]["model"].items()}, "step": 31}
+    store.save(31, state)
+    assert_tree_bit_equal(make_store(mode="r").load(31, lazy=False), state)
+
+
+class FailAfter(WrapperStore):
+    """Fails the n-th mutation (write or delete) once armed, like a crash at that point."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.left: int | None = None
+
+    def _tick(self, key: str) -> None:
+        if self.left is not None:
+            self.left -= 1
+            if self.left < 0:
+                raise OSError(f"injected crash at {key}")
+
+    async def set(self, key: str, value: Buffer) -> None:
+        self._tick(key)
+        await self._store.set(key, value)
+
+    async def delete(self, key: str) -> None:
+        self._tick(key)
+        await self._store.delete(key)
+
+
+@pytest.mark.parametrize("crash_after", [0, 1, 5, 12, 30, 60, 150])
+def test_gc_interrupted_at_any_point_leaves_every_kept_step_loadable(tmp_path, crash_after):
+    failing = FailAfter(LocalStore(tmp_path / "ckpt"))
+    store = amber.open(failing, full_every=7, chunk_bytes=2048)
+    expected = trajectory(store)
+    failing.left = crash_after
+    try:
+        store.gc(keep_last=4, keep_every=10)
+        crashed = False
+    except OSError:
+        crashed = True
+    failing.left = None
+    reader = amber.open(LocalStore(tmp_path / "ckpt"), mode="r")
+    survivors = reader.steps()
+    assert {10, 20, 27, 28, 29, 30} <= set(survivors)
+    for step in survivors:  # kept steps, and any step not yet deleted, all load exactly
+        assert_tree_bit_equal(reader.load(step, lazy=False), expected[step])
+    amber.open(LocalStore(tmp_path / "ckpt")).gc(keep_last=4, keep_every=10)  # finishing the job
+    final = amber.open(LocalStore(tmp_path / "ckpt"), mode="r")
+    assert final.steps() == [10, 20, 27, 28, 29, 30]
+    for step in final.steps():
+        assert_tree_bit_equal(final.load(step, lazy=False), expected[step])
+    assert crashed or crash_after >= 150
+
+
+def test_orphaned_data_of_a_crashed_save_is_removed_by_gc(tmp_path):
+    failing = FailAfter(LocalStore(tmp_path / "ckpt"))
+    store = amber.open(failing)
+    store.save(1, {"w": torch.randn(64, 64)})
+    failing.left = 3
+    with pytest.raises(amber.StorageAccessError):
+        store.save(2, {"w": torch.randn(64, 64), "b": torch.randn(64, 64)})
+    failing.left = None
+    orphans = [k for k in all_keys(store) if k.startswith("steps/000000000002-")]
+    assert orphans
+    assert not store.gc().orphans  # young, and newer than the latest commit: maybe still saving
+    report = store.gc(grace_seconds=0)
+    assert set(orphans) <= set(report.orphans)
+    assert not [k for k in all_keys(store) if k.startswith("steps/000000000002-")]
+    assert store.steps() == [1]
+
+
+def test_gc_spares_the_data_of_a_save_that_may_still_be_running(tmp_path):
+    store = amber.open(tmp_path / "ckpt")
+    store.save(1, {"w": torch.ones(8)})
+    in_flight = tmp_path / "ckpt" / "steps" / "000000000002-abcdef01" / "w" / "c" / "0"
+    in_flight.parent.mkdir(parents=True)
+    in_flight.write_bytes(b"partial")
+    store.gc()
+    assert in_flight.exists()  # no group metadata yet: a save that has only just begun
+    store.save(2, {"w": torch.zeros(8)})
+    store.gc()  # once a newer step is committed, nothing can still be writing that attempt
+    assert not in_flight.exists()
+
+
+def test_pins_survive_gc_and_bad_policies_are_refused(make_store):
+    store = make_store(full_every=3)
+    for step in range(1, 8):
+        store.save(step, {"x": torch.full((4,), float(step))})
+    store.pin(2, "release-1")
+    assert store.pins() == {"release-1": 2}
+    store.gc(keep_last=1)
+    assert store.steps() == [2, 7]
+    store.unpin("release-1")
+    store.gc(keep_last=1)
+    assert store.steps() == [7]
+    with pytest.raises(ValueError, match="keep_last"):
+        store.gc(keep_last=0)
+    with pytest.raises(ValueError, match="pin name"):
+        store.pin(7, "bad/name")
+    with pytest.raises(amber.StepNotFoundError):
+        store.pin(99, "nope")
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_export_loads_into_a_fresh_model_with_identical_outputs(local_store, tmp_path, suffix):
+    cfg = GPTConfig(context=8, width=16, layers=1, heads=2)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    store = local_store()
+    store.save(1, {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    store.save(2, {"model": model.state_dict(), "optim": opt.state_dict(), "step": 2})
+    out = store.export(2, tmp_path / f"export{suffix}")
+    torch.manual_seed(1)
+    fresh = TinyGPT(cfg)
+    if suffix == ".safetensors":
+        fresh.load_state_dict(load_file(out))
+    else:
+        state = torch.load(out, weights_only=True)
+        assert state["step"] == 2 and "optim" in state
+        fresh.load_state_dict(state["model"])
+    x = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+
+
+def test_import_of_torch_save_and_safetensors_files_as_full_steps(local_store, tmp_path):
+    from safetensors.torch import save_file
+
+    state = {"model": {"w": torch.randn(5, 5)}, "step": 3, "betas": (0.9, 0.99)}
+    torch.save(state, tmp_path / "ckpt.pt")
+    save_file({"w": torch.arange(6.0)}, str(tmp_path / "w.safetensors"))
+    store = local_store()
+    assert store.import_checkpoint(3, tmp_path / "ckpt.pt").kind == "full"
+    assert store.import_checkpoint(4, tmp_path / "w.safetensors").kind == "full"
+    assert_tree_bit_equal(store.load(3, lazy=False), state)
+    assert_tree_bit_equal(store.load(4, lazy=False), {"w": torch.arange(6.0)})
+    with pytest.raises(ValueError, match="format"):
+        store.import_checkpoint(5, tmp_path / "ckpt.unknown")
+
+
+def test_du_reports_bytes_by_step_and_group(make_store):
+    store = make_store()
+    store.save(1, {"model": {"w": torch.randn(100)}, "optim": {"m": torch.randn(50)}})
+    store.save(2, {"model": {"w": torch.randn(100)}, "optim": {"m": torch.randn(50)}})
+    du = store.du()
+    assert set(du["steps"]) == {1, 2} and set(du["groups"]) == {"model", "optim"}
+    assert du["total"] == sum(du["steps"].values()) == sum(du["groups"].values()) > 0
