@@ -7,9 +7,10 @@
 >>> w = sd["model"]["layer.0.weight"][:16]              # reads only the chunks it needs
 """
 
-from .codecs import XorDeltaCodec
+from .codecs import DeltaCodec, Policy, QuantizedDeltaCodec, SparseDeltaCodec, XorDeltaCodec
 from .errors import (
     AmberError,
+    AsyncSaveError,
     ConcurrentWriterError,
     CorruptDataError,
     FormatVersionError,
@@ -23,20 +24,27 @@ from .errors import (
 from .format import FORMAT_VERSION
 from .lazy import LazyStateDict, LazyTensor, materialize
 from .store import CommitInfo, Store, open
+from .manager import CheckpointManager
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
     "AmberError",
+    "AsyncSaveError",
+    "CheckpointManager",
     "CommitInfo",
     "ConcurrentWriterError",
     "CorruptDataError",
+    "DeltaCodec",
     "FormatVersionError",
     "InvalidURIError",
     "LazyStateDict",
     "LazyTensor",
     "NotAnAmberStoreError",
+    "Policy",
+    "QuantizedDeltaCodec",
+    "SparseDeltaCodec",
     "StepNotFoundError",
     "StepOrderError",
     "StorageAccessError",

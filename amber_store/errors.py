@@ -39,6 +39,14 @@ class ConcurrentWriterError(AmberError):
     """Another writer committed the same step first; this save's data was left uncommitted."""
 
 
+class AsyncSaveError(AmberError):
+    """A background save failed; raised by the next call on the store (and set on its future)."""
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 class UnsupportedStateError(AmberError, TypeError):
     """The state dict holds a value (leaf type or dtype) that amber-store cannot store exactly."""
 

@@ -20,13 +20,14 @@ import torch
 from .errors import UnsupportedStateError
 
 FORMAT_NAME = "amber-store"
-FORMAT_VERSION = 1
+# 1: full/xor/same encodings. 2 adds the lossy sparse and quant encodings and TensorEntry.params.
+FORMAT_VERSION = 2
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
 STEPS_DIR = "steps"
 DEFAULT_CHUNK_BYTES = 4 << 20
 
-Encoding = Literal["full", "xor", "same"]
+Encoding = Literal["full", "xor", "sparse", "quant", "same"]
 
 
 def commit_key(step: int) -> str:
@@ -138,6 +139,21 @@ def chunk_slices(index: tuple[int, ...], shape: tuple[int, ...], chunks: tuple[i
     return tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunks, shape))
 
 
+def region_chunks(
+    region: tuple[slice, ...], shape: tuple[int, ...], chunks: tuple[int, ...]
+) -> Iterator[tuple[int, tuple[int, ...], tuple[slice, ...]]]:
+    """For each chunk of a chunk-aligned ``region``: its flat index in the tensor's chunk grid
+    (C order), its grid index, and its slices relative to the region."""
+    grid = chunk_grid(shape, chunks)
+    first = tuple(r.start // c for r, c in zip(region, chunks))
+    counts = tuple(-(-(r.stop - r.start) // c) for r, c in zip(region, chunks))
+    for rel in iter_chunk_indices(counts):
+        idx = tuple(f + r for f, r in zip(first, rel))
+        flat = int(np.ravel_multi_index(idx, grid)) if grid else 0
+        local = tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(chunk_slices(idx, shape, chunks), region))
+        yield flat, idx, local
+
+
 # --- zarr array metadata ------------------------------------------------------------------
 
 def array_metadata(
@@ -146,13 +162,17 @@ def array_metadata(
     chunks: tuple[int, ...],
     codecs: list[dict[str, Any]],
     attributes: dict[str, Any],
+    data_type: str | None = None,
 ) -> dict[str, Any]:
-    """The zarr v3 ``zarr.json`` of one tensor array (written as is; no zarr defaults apply)."""
+    """The zarr v3 ``zarr.json`` of one tensor array (written as is; no zarr defaults apply).
+
+    ``data_type`` defaults to the unsigned integer of the tensor's width (its raw bits).
+    """
     return {
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(shape),
-        "data_type": bits_numpy_dtype(name).name,
+        "data_type": data_type or bits_numpy_dtype(name).name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks) or []}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": 0,
@@ -255,9 +275,11 @@ def unflatten(tree: dict[str, Any], leaf: Callable[[str], Any], mapping: Callabl
 class TensorEntry:
     """How one tensor of one step materializes.
 
-    ``full``: the array at ``array`` holds the raw bits. ``xor``: it holds ``bits XOR
-    materialized(base, key)``. ``same``: no array; the value equals ``materialized(base, key)``.
-    ``crc32c`` lists one checksum per chunk of the *materialized* bits, in C order.
+    ``full``: the array at ``array`` holds the raw bits. ``xor``/``sparse``/``quant``: it holds
+    a delta against ``materialized(base, key)``, applied by the delta codec named in the
+    array's metadata (``params`` holds per-tensor codec data, e.g. quantization scales).
+    ``same``: no array; the value equals ``materialized(base, key)``. ``crc32c`` lists one
+    checksum per chunk of the *materialized* bits, in C order.
     """
 
     dtype: str
@@ -269,6 +291,7 @@ class TensorEntry:
     crc32c: list[int]
     nbytes: int
     stored: int = 0
+    params: dict[str, Any] | None = None
 
 
 @dataclass

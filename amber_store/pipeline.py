@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,8 @@ from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import StorePath, WrapperStore
 
-from .codecs import XorDeltaCodec, storage_codecs
+from .errors import AsyncSaveError
+from .codecs import DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, storage_codecs
 from .format import (
     TensorEntry,
     array_metadata,
@@ -81,8 +83,10 @@ def encode(
     chunk_bytes: int,
     level: int,
     chunks: tuple[int, ...] | None = None,
+    codec: DeltaCodec | None = None,
 ) -> Encoded:
-    """Encode one tensor of step ``step`` against ``base`` (``None``: write it full).
+    """Encode one tensor of step ``step`` against ``base`` (``None``: write it full) with
+    ``codec`` (default lossless XOR), on the tensor's device.
 
     A base whose shape or dtype differs is ignored: that tensor is written full, in ``chunks``
     if given, else in chunks of about ``chunk_bytes``.
@@ -90,32 +94,33 @@ def encode(
     tensor = tensor.detach()
     name = dtype_name(tensor.dtype)
     shape = tuple(tensor.shape)
-    bits = to_bits(tensor)
     if base is not None and (base.entry.dtype != name or tuple(base.entry.shape) != shape):
         base = None
     array = f"{group}/{key}"
     nbytes = tensor.numel() * tensor.element_size()
     if base is None:
         chunks = chunks or choose_chunks(shape, tensor.element_size(), chunk_bytes)
-        value = bits.to("cpu", copy=True)
+        value = to_bits(tensor).to("cpu", copy=True)
         entry = TensorEntry(name, list(shape), list(chunks), "full", None, array, chunk_crcs(value, chunks), nbytes)
         codecs = storage_codecs(name, level, None)
         attrs = {"dtype": name, "step": step, "encoding": "full"}
         return Encoded(key, entry, bits_to_numpy(value), value, array_metadata(name, shape, chunks, codecs, attrs))
 
     chunks = tuple(base.entry.chunks)
-    delta = XorDeltaCodec.diff(bits, base.bits)
-    if not bool(delta.any()):
+    assert base.entry.array is not None, "a base entry must hold data (full or xor)"
+    codec = (codec or XorDeltaCodec()).with_base(base.step, base.entry.array)
+    delta = codec.diff(tensor, base.bits, chunks)
+    if delta is None:
         entry = TensorEntry(name, list(shape), list(chunks), "same", base.step, None, base.entry.crc32c, nbytes)
         return Encoded(key, entry, None, base.bits, None)
-    delta_host = delta.to("cpu")
-    value = torch.bitwise_xor(base.bits, delta_host)
-    assert base.entry.array is not None, "a base entry must hold data (full or xor)"
-    codec = XorDeltaCodec(base_step=base.step, base_array=base.entry.array)
-    entry = TensorEntry(name, list(shape), list(chunks), "xor", base.step, array, chunk_crcs(value, chunks), nbytes)
-    attrs = {"dtype": name, "step": step, "encoding": "xor", "base_step": base.step}
-    meta = array_metadata(name, shape, chunks, storage_codecs(name, level, codec), attrs)
-    return Encoded(key, entry, bits_to_numpy(delta_host), value, meta)
+    if isinstance(codec, QuantizedDeltaCodec) and delta.params is None:
+        codec = XorDeltaCodec(base.step, base.entry.array)  # fell back: the delta is an XOR
+    entry = TensorEntry(name, list(shape), list(chunks), codec.encoding, base.step, array,  # type: ignore[arg-type]
+                        chunk_crcs(delta.recon, chunks), nbytes, params=delta.params)
+    attrs = {"dtype": name, "step": step, "encoding": codec.encoding, "base_step": base.step}
+    meta = array_metadata(name, shape, chunks, storage_codecs(name, level, codec), attrs,
+                          data_type=codec.storage_dtype(name).name)
+    return Encoded(key, entry, delta.data, delta.recon, meta)
 
 
 # Bytes written per key, for the write in progress; set inside each write coroutine so every
@@ -197,3 +202,96 @@ class Writer:
             fut.cancel()
         self._pool.shutdown(wait=True)
         self._pending.clear()
+
+
+class Snapshots:
+    """Consistent host copies of a state's tensors in reusable buffers (pinned for CUDA
+    sources), so an async save can return while training goes on updating the originals."""
+
+    def __init__(self) -> None:
+        self._free: list[dict[str, torch.Tensor]] = []
+        self._lock = threading.Lock()
+
+    def take(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with self._lock:
+            buffers = self._free.pop() if self._free else {}
+        out = {}
+        for key, t in tensors.items():
+            t = t.detach()
+            buf = buffers.get(key)
+            on_device = t.device.type != "cpu"
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_device)
+            buf.copy_(t, non_blocking=on_device)
+            out[key] = buf
+        for device in {t.device for t in tensors.values() if t.device.type != "cpu"}:
+            getattr(torch, device.type).synchronize(device)  # the copies above were asynchronous
+        return out
+
+    def give_back(self, buffers: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._free.append(buffers)
+
+
+class Background:
+    """Runs saves one after another on a background thread, at most ``max_pending`` at once.
+
+    A submit blocks while ``max_pending`` saves are unfinished (back-pressure). A failure is
+    set on that save's future and kept until :meth:`raise_failure` reports it, so it is never
+    silently lost.
+    """
+
+    def __init__(self, max_pending: int = 1) -> None:
+        if max_pending < 1:
+            raise ValueError("max_pending must be >= 1")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="amber-save")
+        self._slots = threading.Semaphore(max_pending)
+        self._pending: set[Future[Any]] = set()
+        self._failure: tuple[int, BaseException] | None = None
+        self._lock = threading.Lock()
+
+    def reserve(self) -> None:
+        """Wait for a free slot; call before taking the snapshot a save will own."""
+        self._slots.acquire()
+
+    def release(self) -> None:
+        self._slots.release()
+
+    def submit(self, step: int, work: Any, cleanup: Any) -> Future[Any]:
+        fut = self._pool.submit(work)
+        with self._lock:
+            self._pending.add(fut)
+
+        def done(f: Future[Any]) -> None:
+            cleanup()
+            with self._lock:
+                self._pending.discard(f)
+                if f.exception() is not None and self._failure is None:
+                    self._failure = (step, f.exception())  # type: ignore[assignment]
+            self._slots.release()
+
+        fut.add_done_callback(done)
+        return fut
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def raise_failure(self) -> None:
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            step, err = failure
+            raise AsyncSaveError(f"the background save of step {step} failed: {err}", step=step) from err
+
+    def wait(self) -> None:
+        """Wait for every submitted save, then raise the first failure not yet reported."""
+        with self._lock:
+            pending = list(self._pending)
+        wait(pending)
+        self.raise_failure()
+
+    def close(self) -> None:
+        """Stop the thread once queued saves are done (their failures stay on their futures)."""
+        self._pool.shutdown(wait=True)

@@ -13,8 +13,9 @@ import json
 import os
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import crc32c
 import numpy as np
@@ -29,7 +30,7 @@ from zarr.storage import StorePath
 from . import format as fmt
 from . import export as export_
 from . import retention
-from .codecs import XorDeltaCodec
+from .codecs import CodecPolicy, DeltaCodec, Policy
 from .errors import (
     AmberError,
     ConcurrentWriterError,
@@ -42,7 +43,7 @@ from .errors import (
 )
 from .format import Manifest, TensorEntry
 from .lazy import LazyStateDict, LazyTensor, materialize
-from .pipeline import AccountingStore, Base, Writer, encode, json_buffer
+from .pipeline import AccountingStore, Background, Base, Snapshots, Writer, encode, json_buffer
 from .retention import GCReport
 from .uri import Location, probe, put_atomic, put_if_absent, resolve
 
@@ -81,6 +82,13 @@ class Store:
         compression_level: zstd level of every chunk.
         verify_checksums: check each materialized chunk's crc32c on read.
         progress: show a tqdm bar while saving and loading.
+        codec: the delta codec of each tensor: ``"xor"`` (lossless, default), ``"sparse"``,
+            ``"quant8"``, ``"quant4"``, a :class:`~amber_store.codecs.DeltaCodec`, or rules
+            ``[(key pattern, codec), ...]`` such as ``[("optim/*", "sparse")]``; see
+            :class:`~amber_store.codecs.Policy`. Full steps are always lossless.
+        max_pending: how many :meth:`save_async` calls may be unfinished at once.
+        write_workers, max_inflight_bytes: threads writing one step's tensors, and the bound
+            on encoded bytes waiting for them.
     """
 
     def __init__(
@@ -96,6 +104,8 @@ class Store:
         progress: bool = False,
         write_workers: int = 2,
         max_inflight_bytes: int = 1 << 30,
+        codec: CodecPolicy = "xor",
+        max_pending: int = 1,
     ) -> None:
         if full_every < 1:
             raise ValueError("full_every must be >= 1")
@@ -111,6 +121,7 @@ class Store:
         self.verify_checksums = verify_checksums
         self.progress = progress
         self._write_workers = write_workers
+        self.policy = Policy(codec)
         self._max_inflight = max_inflight_bytes
         self._manifests: dict[int, Manifest] = {}
         self._arrays: dict[str, AsyncArray[Any]] = {}
@@ -118,6 +129,9 @@ class Store:
         self._cache: dict[str, torch.Tensor] = {}
         self._writer = uuid.uuid4().hex[:12]
         self._last_commit: int | None = None
+        self._submitted: int | None = None
+        self._background = Background(max_pending)
+        self._snapshots = Snapshots()
         sync(self._init_root())
 
     # --- opening ------------------------------------------------------------------------
@@ -157,10 +171,15 @@ class Store:
             )
 
     def close(self) -> None:
-        """Drop cached state and close the storage client's connections.
+        """Wait for pending async saves, then drop cached state and close the storage
+        client's connections. Raises the failure of a pending save, after closing."""
+        try:
+            self._background.wait()
+        finally:
+            self._background.close()
+            self._release()
 
-        The store holds no open writes between calls; closing only frees memory and sockets.
-        """
+    def _release(self) -> None:
         self._cache.clear()
         self._cache_step = None
         self._manifests.clear()
@@ -257,21 +276,76 @@ class Store:
     # --- saving -------------------------------------------------------------------------
 
     def save(self, step: int, state_dict: Any, *, full: bool | None = None) -> CommitInfo:
-        """Save ``state_dict`` as ``step`` and commit it.
+        """Save ``state_dict`` as ``step`` and commit it; deltas are encoded on the tensors'
+        device.
 
         ``full=True`` forces a full step, ``full=False`` a delta (when a base exists), ``None``
         follows ``full_every``. Raises :class:`StepOrderError` unless ``step`` is newer than
-        every committed step. On any error nothing becomes visible.
+        every committed step. On any error nothing becomes visible. Waits for pending
+        :meth:`save_async` calls first.
         """
         self._require_writable()
+        self.wait()
+        t0 = time.perf_counter()
+        tree, tensors = self._validate(step, state_dict)
+        return self._save_now(step, tree, tensors, full, t0)
+
+    def save_async(self, step: int, state_dict: Any, *, full: bool | None = None,
+                   after: Callable[[CommitInfo], None] | None = None) -> Future[CommitInfo]:
+        """Snapshot ``state_dict`` and save it in the background; returns once the snapshot is
+        taken, so training may update its tensors right away.
+
+        The snapshot is a copy into reused host buffers (pinned, for CUDA tensors); encoding,
+        compression, writes and the commit run on a background thread, one save after the
+        other. At most ``max_pending`` saves are unfinished: beyond that this call waits
+        (back-pressure), so host memory stays bounded at ``max_pending`` snapshots plus
+        ``max_inflight_bytes`` of encoded data. A failure is set on the returned future and
+        raised (as :class:`AsyncSaveError`) by the next call of ``save``, ``save_async`` or
+        :meth:`wait`. ``after(info)``, if given, runs on the save thread once the step is
+        committed and before the future completes (retention, notifications).
+        """
+        self._require_writable()
+        self._background.raise_failure()
+        t0 = time.perf_counter()
+        tree, tensors = self._validate(step, state_dict, check_store=False)
+        if self._submitted is not None and step <= self._submitted:
+            raise StepOrderError(f"{self.uri}: step {step} is not newer than the pending save of step {self._submitted}")
+        self._background.reserve()
+        try:
+            snapshot = self._snapshots.take(tensors)
+        except BaseException:
+            self._background.release()
+            raise
+        self._submitted = step
+
+        def work() -> CommitInfo:
+            info = self._save_now(step, tree, snapshot, full, t0)
+            if after is not None:
+                after(info)
+            return info
+
+        return self._background.submit(step, work, lambda: self._snapshots.give_back(snapshot))
+
+    def wait(self) -> None:
+        """Block until every :meth:`save_async` has committed; raise the first failure."""
+        self._background.wait()
+
+    def _validate(self, step: int, state_dict: Any, check_store: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
-        t0 = time.perf_counter()
+        if check_store:
+            latest = self.latest()
+            self._check_sole_writer(latest)
+            if latest is not None and step <= latest:
+                raise StepOrderError(f"{self.uri}: step {step} is not newer than the latest committed step {latest}")
+        return fmt.flatten(state_dict)
+
+    def _save_now(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
+                  t0: float) -> CommitInfo:
         latest = self.latest()
         self._check_sole_writer(latest)
         if latest is not None and step <= latest:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the latest committed step {latest}")
-        tree, tensors = fmt.flatten(state_dict)
         prev = self.manifest(latest) if latest is not None else None
         base = self._choose_base(prev, full)
         try:
@@ -304,9 +378,10 @@ class Store:
             items = tqdm(tensors.items(), desc=f"save {step}", unit="tensor", disable=not self.progress)
             for key, tensor in items:
                 ref = self._base_for(base, key) if base is not None else None
+                codec = self.policy.for_tensor(key, fmt.dtype_name(tensor.dtype))
                 writer.submit(
                     encode(key, tensor, ref, step=step, group=group, chunk_bytes=self.chunk_bytes,
-                           level=self.compression_level)
+                           level=self.compression_level, codec=codec)
                 )
             by_key = {enc.key: enc for enc in writer.finish()}
         finally:
@@ -560,18 +635,14 @@ class Store:
         assert e.base is not None
         base_entry = (await self._manifest(e.base)).tensors[key]
         delta, base = await asyncio.gather(own(), self._read_chain(e.base, key, base_entry, region))
-        return XorDeltaCodec.apply_into(delta, base)
+        codec = arr.metadata.codecs[0]
+        if not isinstance(codec, DeltaCodec):
+            raise CorruptDataError(f"{self.uri}: step {step}, tensor {key!r}: array {e.array} has no delta codec",
+                                   step=step, tensor=key)
+        return codec.apply(delta, base, region, e)
 
     def _check_crcs(self, step: int, key: str, e: TensorEntry, region: tuple[slice, ...], data: np.ndarray) -> None:
-        shape, chunks = tuple(e.shape), tuple(e.chunks)
-        grid = fmt.chunk_grid(shape, chunks)
-        first = tuple(r.start // c for r, c in zip(region, chunks))
-        counts = tuple(-(-(r.stop - r.start) // c) for r, c in zip(region, chunks))
-        for rel in fmt.iter_chunk_indices(counts):
-            idx = tuple(f + r for f, r in zip(first, rel))
-            flat = int(np.ravel_multi_index(idx, grid)) if grid else 0
-            local = tuple(slice(s.start - r.start, s.stop - r.start)
-                          for s, r in zip(fmt.chunk_slices(idx, shape, chunks), region))
+        for flat, idx, local in fmt.region_chunks(region, tuple(e.shape), tuple(e.chunks)):
             got = crc32c.crc32c(np.ascontiguousarray(data[local]).data)
             if got != e.crc32c[flat]:
                 raise CorruptDataError(

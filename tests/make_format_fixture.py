@@ -1,9 +1,10 @@
 """Writes the small reference store of the on-disk format (docs/FORMAT.md).
 
-``python tests/make_format_fixture.py tests/data/format-v1`` made the committed copy; the tests
-read that copy back with the current code (so a format change that breaks old stores fails CI)
-and also read back what this script writes today. Never edit the committed copy by hand; when
-the format version changes, add a new ``format-vN`` directory next to it and keep the old one.
+``python tests/make_format_fixture.py tests/data/format-v2`` made the newest committed copy
+(``format-v1`` was made by the version-1 code, with ``expected(1)``); the tests read every
+committed copy back with the current code, so a change that breaks old stores fails CI, and
+also read back what this script writes today. Never edit a committed copy by hand; when the
+format version changes, add a new ``format-vN`` directory and keep the old ones.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ from collections import OrderedDict
 import torch
 
 
-def expected() -> dict[int, dict]:
-    """The exact state saved at each step: full, xor delta, then same/new/shape-change/removed."""
+# Version 2 added lossy deltas: these keys are saved with lossy codecs (their restored values
+# are checked against the codec's bound, and against what the current code restores).
+LOSSY_POLICY = [("lossy/q", "quant4"), ("lossy/s", "sparse")]
+
+
+def expected(version: int = 2) -> dict[int, dict]:
+    """The state saved at each step: full, xor delta, then same/new/shape-change/removed; from
+    version 2 on also a quantized and a sparse tensor."""
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
     model = OrderedDict(w=w, b=torch.linspace(-1, 1, 5).to(torch.bfloat16), mask=torch.tensor([True, False, True]))
     model._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() returns
@@ -35,13 +42,18 @@ def expected() -> dict[int, dict]:
         "ids": s2["ids"],
         "new": torch.tensor(7, dtype=torch.int32),
     }
-    return {1: s1, 2: s2, 3: s3}
+    states = {1: s1, 2: s2, 3: s3}
+    if version >= 2:
+        q = torch.linspace(-2, 2, 40).reshape(5, 8)
+        for step, state in states.items():
+            state["lossy"] = {"q": q * (1 + 0.1 * step), "s": q + 0.5 * (step == 3) * (q > 1)}
+    return states
 
 
 def write(path: str) -> None:
     import amber_store as amber
 
-    store = amber.open(path, mode="w", chunk_bytes=64)
+    store = amber.open(path, mode="w", chunk_bytes=64, codec=LOSSY_POLICY)
     for step, state in expected().items():
         store.save(step, state)
 

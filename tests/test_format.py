@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import zarr
 
 import amber_store as amber
@@ -16,29 +17,46 @@ from amber_store import format as fmt
 from conftest import assert_tree_bit_equal
 from make_format_fixture import expected, write
 
-FIXTURE = Path(__file__).parent / "data" / "format-v1"
+DATA = Path(__file__).parent / "data"
 
 
-def check_reference_store(path: Path) -> None:
+def check_reference_store(path: Path, version: int) -> None:
     store = amber.open(path, mode="r")
     assert store.steps() == [1, 2, 3]
     assert [store.manifest(s).kind for s in (1, 2, 3)] == ["full", "delta", "delta"]
-    for step, state in expected().items():
-        assert_tree_bit_equal(store.load(step, lazy=False), state)
+    assert {store.manifest(s).format_version for s in (1, 2, 3)} == {version}
+    for step, state in expected(version).items():
+        got = store.load(step, lazy=False)
+        lossy = state.pop("lossy", None)
+        assert_tree_bit_equal({k: v for k, v in got.items() if k != "lossy"}, state)
+        if lossy is not None:
+            assert torch.allclose(got["lossy"]["q"], lossy["q"], atol=0.2)
+            assert torch.allclose(got["lossy"]["s"], lossy["s"], rtol=0.021)
     encodings = {k: e.encoding for k, e in store.manifest(3).tensors.items()}
     assert encodings["model/w"] == "same" and encodings["model/b"] == "full" and encodings["new"] == "full"
     assert store.manifest(2).tensors["model/w"].encoding == "xor"
+    if version >= 2:
+        assert encodings["lossy/q"] == "quant" and encodings["lossy/s"] == "sparse"
 
 
-def test_the_committed_format_v1_store_reads_back_with_the_current_code(tmp_path):
-    copy = tmp_path / "v1"
-    shutil.copytree(FIXTURE, copy)  # a read must not need write access, but keep the fixture pristine
-    check_reference_store(copy)
+@pytest.mark.parametrize("version", [1, 2])
+def test_every_committed_format_version_reads_back_with_the_current_code(tmp_path, version):
+    copy = tmp_path / f"v{version}"
+    shutil.copytree(DATA / f"format-v{version}", copy)  # reads need no write access; keep the fixture pristine
+    check_reference_store(copy, version)
 
 
 def test_what_the_fixture_script_writes_today_reads_back(tmp_path):
     write(str(tmp_path / "today"))
-    check_reference_store(tmp_path / "today")
+    check_reference_store(tmp_path / "today", fmt.FORMAT_VERSION)
+
+
+def test_lossy_reconstruction_is_bit_stable_across_code_versions(tmp_path):
+    write(str(tmp_path / "today"))
+    today = amber.open(tmp_path / "today", mode="r")
+    committed = amber.open(DATA / f"format-v{fmt.FORMAT_VERSION}", mode="r")
+    for step in (1, 2, 3):
+        assert_tree_bit_equal(committed.load(step, lazy=False)["lossy"], today.load(step, lazy=False)["lossy"])
 
 
 def test_the_root_and_arrays_are_plain_zarr_v3_with_self_describing_delta_codecs(tmp_path):

@@ -1,0 +1,158 @@
+"""Async saves: snapshot semantics, back-pressure, failures, and the CheckpointManager."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from zarr.core.buffer import Buffer
+from zarr.storage import LocalStore, WrapperStore
+
+import amber_store as amber
+from amber_store.demo import GPTConfig, Trainer, corpus
+from conftest import assert_bit_equal, assert_tree_bit_equal
+
+
+class SlowStore(WrapperStore):
+    """Every chunk write takes ``delay`` seconds (an overloaded disk or link); can be made to fail."""
+
+    def __init__(self, store, delay: float = 0.05):
+        super().__init__(store)
+        self.delay = delay
+        self.fail = False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    async def set(self, key: str, value: Buffer) -> None:
+        if "/c" in key:
+            await asyncio.to_thread(self.gate.wait)
+            await asyncio.sleep(self.delay)
+            if self.fail:
+                raise OSError(f"injected failure writing {key}")
+        await self._store.set(key, value)
+
+
+def state(seed: int, n: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(128, 128, generator=g) for i in range(n)}
+
+
+def test_save_async_returns_before_the_writes_finish(tmp_path):
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.2)
+    store = amber.open(slow)
+    t0 = time.perf_counter()
+    fut = store.save_async(1, state(1))
+    returned = time.perf_counter() - t0
+    assert not fut.done()
+    info = fut.result(timeout=60)
+    total = time.perf_counter() - t0
+    assert returned < total / 4, (returned, total)
+    assert info.step == 1 and store.steps() == [1]
+
+
+def test_tensors_mutated_right_after_save_async_do_not_leak_into_the_step(tmp_path):
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"))
+    store = amber.open(slow)
+    live = state(2)
+    expected = {k: v.clone() for k, v in live.items()}
+    slow.gate.clear()  # hold the writes until the caller has scribbled over its tensors
+    fut = store.save_async(1, live)
+    for t in live.values():
+        t.mul_(-3).add_(1)
+    slow.gate.set()
+    fut.result(timeout=60)
+    assert_tree_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(1, lazy=False), expected)
+
+
+@pytest.mark.parametrize("max_pending", [1, 2])
+def test_back_pressure_holds_at_most_max_pending_unfinished_saves(tmp_path, max_pending):
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.02)
+    store = amber.open(slow, max_pending=max_pending)
+    slow.gate.clear()
+    futures = [store.save_async(1, state(1))]
+    for step in range(2, max_pending + 1):
+        futures.append(store.save_async(step, state(step)))
+    blocked = threading.Thread(target=lambda: futures.append(store.save_async(max_pending + 1, state(9))))
+    blocked.start()
+    blocked.join(timeout=1.0)
+    assert blocked.is_alive(), "save_async should wait while max_pending saves are unfinished"
+    assert sum(not f.done() for f in futures) == max_pending
+    slow.gate.set()
+    blocked.join(timeout=60)
+    assert not blocked.is_alive()
+    store.wait()
+    assert store.steps() == list(range(1, max_pending + 2))
+    assert len(store._snapshots._free) <= max_pending  # snapshot buffers are reused, not piled up
+
+
+def test_a_background_failure_surfaces_on_the_future_and_on_the_next_call(tmp_path):
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.0)
+    store = amber.open(slow)
+    store.save(1, state(1))
+    slow.fail = True
+    fut = store.save_async(2, state(2))
+    assert isinstance(fut.exception(timeout=60), amber.StorageAccessError)
+    slow.fail = False
+    with pytest.raises(amber.AsyncSaveError, match="background save of step 2 failed") as err:
+        store.save_async(3, state(3))
+    assert err.value.step == 2
+    store.save_async(3, state(3)).result(timeout=60)  # reported once; the store carries on
+    assert store.steps() == [1, 3]
+    slow.fail = True
+    store.save_async(4, state(4))
+    with pytest.raises(amber.AsyncSaveError):
+        store.wait()
+    slow.fail = False
+    with pytest.raises(amber.StepOrderError):
+        store.save_async(3, state(3))
+
+
+def test_sync_save_waits_for_pending_async_saves_in_order(tmp_path):
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.01)
+    store = amber.open(slow)
+    s1, s2 = state(1), state(2)
+    store.save_async(1, s1)
+    info = store.save(2, s2)
+    assert info.kind == "delta" and info.base == 1
+    reader = amber.open(tmp_path / "ckpt", mode="r")
+    assert_tree_bit_equal(reader.load(1, lazy=False), s1)
+    assert_tree_bit_equal(reader.load(2, lazy=False), s2)
+
+
+CFG = GPTConfig(context=16, width=32, layers=1, heads=2)
+
+
+def test_checkpoint_manager_resume_continues_bit_identically(make_store, location):
+    uri, opts = location
+    text = corpus(100_000)
+    reference = Trainer(CFG, batch=4, data=text)
+    with amber.CheckpointManager(uri, storage_options=opts, every=3, full_every=3, keep_last=2) as manager:
+        assert manager.restore(reference.model, reference.opt) is None
+        for step in range(1, 10):
+            reference.step(step)
+            manager.maybe_save(step, model=reference.model, optimizer=reference.opt, extra={"data_pos": step * 4})
+    assert make_store(mode="r").steps() == [6, 9]  # retention ran after each save
+
+    resumed = Trainer(CFG, batch=4, data=text, init_seed=99)
+    manager = amber.CheckpointManager.from_config({"uri": uri, "storage_options": opts, "every": 3})
+    start = manager.restore(resumed.model, resumed.opt, step=6)
+    assert start == 6 and manager.extra == {"data_pos": 24}
+    for step in range(7, 10):
+        resumed.step(step)
+    assert_tree_bit_equal(resumed.state(9), reference.state(9))
+    manager.close()
+
+
+def test_manager_without_async_and_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="uri"):
+        amber.CheckpointManager.from_config({"every": 3})
+    manager = amber.CheckpointManager(str(tmp_path / "c"), every=2, async_save=False)
+    model = torch.nn.Linear(3, 3)
+    assert manager.maybe_save(1, model=model) is None
+    info = manager.maybe_save(2, model=model)
+    assert isinstance(info, amber.CommitInfo) and info.step == 2
+    assert_bit_equal(manager.store.load(2)["model"]["weight"].materialize(), model.weight.detach())
+    manager.close()
