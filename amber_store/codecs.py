@@ -88,7 +88,7 @@ class DeltaCodec(ArrayArrayCodec):
     def with_base(self, step: int, array: str) -> Self:
         return replace(self, base_step=step, base_array=array)
 
-    def applies_to(self, dtype: str) -> bool:
+    def applies_to(self, dtype: str, numel: int) -> bool:
         return True
 
     def storage_dtype(self, dtype: str) -> np.dtype:
@@ -147,16 +147,18 @@ class SparseDeltaCodec(DeltaCodec):
     ``topk`` fraction of updates); every other element keeps its base value.
 
     Error bound, at every step of a chain: each element is exact, or within
-    ``threshold * |restored|`` of the truth (``topk``: no fixed bound).
+    ``threshold * |restored|`` of the truth (``topk``: no fixed bound). Tensors smaller than
+    ``min_numel`` (step counters, norms, biases: they cost little) stay lossless.
     """
 
     name: ClassVar[str] = "amber.sparse_delta"
     encoding: ClassVar[str] = "sparse"
     threshold: float = 0.02
     topk: float | None = None
+    min_numel: int = 4096
 
-    def applies_to(self, dtype: str) -> bool:
-        return DTYPES[dtype].is_floating_point
+    def applies_to(self, dtype: str, numel: int) -> bool:
+        return DTYPES[dtype].is_floating_point and numel >= self.min_numel
 
     def serializer(self, dtype: str) -> dict[str, Any]:
         return SparseBytesCodec().to_dict()
@@ -192,12 +194,14 @@ class QuantizedDeltaCodec(DeltaCodec):
     ``[-(2^(bits-1)-1), 2^(bits-1)-1]``, one ``scale = max|value - base| / qmax`` per chunk.
 
     Error bound, at every step of a chain: ``|restored - value| <= scale / 2`` per element of a
-    chunk (plus the rounding of the result to the tensor's dtype).
+    chunk (plus the rounding of the result to the tensor's dtype). Tensors smaller than
+    ``min_numel`` stay lossless.
     """
 
     name: ClassVar[str] = "amber.quantized_delta"
     encoding: ClassVar[str] = "quant"
     bits: int = 8
+    min_numel: int = 4096
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -207,8 +211,8 @@ class QuantizedDeltaCodec(DeltaCodec):
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1
 
-    def applies_to(self, dtype: str) -> bool:
-        return DTYPES[dtype].is_floating_point
+    def applies_to(self, dtype: str, numel: int) -> bool:
+        return DTYPES[dtype].is_floating_point and numel >= self.min_numel
 
     def storage_dtype(self, dtype: str) -> np.dtype:
         return np.dtype("int8")
@@ -260,7 +264,7 @@ def dequantize(base: torch.Tensor, q: np.ndarray, region: tuple[slice, ...], dty
     torch_dtype = DTYPES[dtype]
     ct = _compute_dtype(torch_dtype)
     out = base.view(torch_dtype).to(ct)
-    qt = torch.from_numpy(np.ascontiguousarray(q)).to(ct)
+    qt = torch.from_numpy(q if q.flags.c_contiguous else q.copy()).to(ct)  # (ascontiguousarray makes 0-d 1-d)
     for flat, _, local in region_chunks(region, shape, chunks):
         if scales[flat]:
             out[local] += qt[local] * scales[flat]
@@ -365,16 +369,17 @@ class Policy:
     """Which delta codec each tensor gets: ``"xor"`` for all, one codec for all, or rules
     ``[(pattern, codec), ...]`` matched in order against the tensor key with :mod:`fnmatch`
     (e.g. ``[("optim/*", "sparse"), ("*", "xor")]``). Unmatched tensors, and tensors a lossy
-    codec does not apply to (integers, bool), stay lossless."""
+    codec does not apply to (integers, bool, fewer than its ``min_numel`` elements, such as
+    Adam's step counters), stay lossless."""
 
     def __init__(self, policy: CodecPolicy = "xor") -> None:
         rules = [("*", policy)] if isinstance(policy, (str, DeltaCodec)) else list(policy)
         self.rules = [(pattern, codec_named(c)) for pattern, c in rules]
 
-    def for_tensor(self, key: str, dtype: str) -> DeltaCodec:
+    def for_tensor(self, key: str, dtype: str, numel: int) -> DeltaCodec:
         for pattern, codec in self.rules:
             if fnmatch.fnmatchcase(key, pattern):
-                return codec if codec.applies_to(dtype) else _NAMED["xor"]
+                return codec if codec.applies_to(dtype, numel) else _NAMED["xor"]
         return _NAMED["xor"]
 
 

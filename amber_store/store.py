@@ -378,7 +378,7 @@ class Store:
             items = tqdm(tensors.items(), desc=f"save {step}", unit="tensor", disable=not self.progress)
             for key, tensor in items:
                 ref = self._base_for(base, key) if base is not None else None
-                codec = self.policy.for_tensor(key, fmt.dtype_name(tensor.dtype))
+                codec = self.policy.for_tensor(key, fmt.dtype_name(tensor.dtype), tensor.numel())
                 writer.submit(
                     encode(key, tensor, ref, step=step, group=group, chunk_bytes=self.chunk_bytes,
                            level=self.compression_level, codec=codec)

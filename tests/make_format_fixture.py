@@ -15,9 +15,13 @@ from collections import OrderedDict
 import torch
 
 
-# Version 2 added lossy deltas: these keys are saved with lossy codecs (their restored values
-# are checked against the codec's bound, and against what the current code restores).
-LOSSY_POLICY = [("lossy/q", "quant4"), ("lossy/s", "sparse")]
+# Version 2 added lossy deltas: the keys of lossy_policy() are saved with lossy codecs (their
+# restored values are checked against the codec's bound, and against what today's code restores).
+def lossy_policy() -> list:
+    import amber_store as amber
+
+    return [("lossy/q", amber.QuantizedDeltaCodec(bits=4, min_numel=1)),
+            ("lossy/s", amber.SparseDeltaCodec(min_numel=1))]
 
 
 def expected(version: int = 2) -> dict[int, dict]:
@@ -53,7 +57,7 @@ def expected(version: int = 2) -> dict[int, dict]:
 def write(path: str) -> None:
     import amber_store as amber
 
-    store = amber.open(path, mode="w", chunk_bytes=64, codec=LOSSY_POLICY)
+    store = amber.open(path, mode="w", chunk_bytes=64, codec=lossy_policy())
     for step, state in expected().items():
         store.save(step, state)
 

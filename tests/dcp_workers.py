@@ -1,0 +1,93 @@
+"""Worker processes for the multi-rank tests: ``python tests/dcp_workers.py JOB URI OPTIONS_JSON``.
+
+torch.distributed's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) comes from the
+test; WORLD_SIZE=1 without MASTER_PORT means a single process without a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from amber_store.dcp import AmberStorageReader, AmberStorageWriter
+
+SHAPE = (10, 24)  # 10 rows split unevenly over 3 ranks: 4, 4, 2
+
+
+def expected(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(SHAPE, generator=g), "emb": torch.randn(64, 32, generator=g),
+             "bias": torch.randn(24, generator=g)}
+    if version >= 2:  # a small update: one row of w, nothing else
+        state["w"][3] += 1.0
+    return state
+
+
+def sharded(state: dict[str, torch.Tensor], mesh) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {"w": distribute_tensor(state["w"], mesh, [Shard(0)]),
+            "emb": distribute_tensor(state["emb"], mesh, [Shard(1)]),
+            "bias": distribute_tensor(state["bias"], mesh, [Replicate()]),
+            "meta": {"lr": 0.01, "version": 1}}
+
+
+def main() -> None:
+    job, uri, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = "MASTER_PORT" in os.environ
+    mesh = None
+    if distributed:
+        dist.init_process_group("gloo")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+    rank = dist.get_rank() if distributed else 0
+    try:
+        if job == "save":  # two consecutive saves; the second changes one row of w
+            for version in (1, 2):
+                dcp.save(sharded(expected(version), mesh), storage_writer=AmberStorageWriter(uri, options))
+        elif job == "fail":  # one rank raises in the middle of its writes
+            original = AmberStorageWriter.write_data
+
+            def failing(self, plan, planner):
+                if rank == world - 1:
+                    raise RuntimeError(f"rank {rank} fails mid-save")
+                return original(self, plan, planner)
+
+            AmberStorageWriter.write_data = failing
+            try:
+                dcp.save(sharded(expected(2), mesh), storage_writer=AmberStorageWriter(uri, options))
+            except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank
+                if isinstance(e, (SystemExit, KeyboardInterrupt)):
+                    raise
+                print(f"rank {rank}: save failed as expected: {type(e).__name__}", flush=True)
+            else:
+                raise SystemExit("the save should have failed")
+        elif job == "load":  # into DTensors of this world size, or full tensors in one process
+            want = expected(int(options.pop("version", 2)))
+            step = options.pop("step", None)
+            if distributed:
+                state = sharded({k: torch.zeros_like(v) for k, v in want.items()}, mesh)
+                dcp.load(state, storage_reader=AmberStorageReader(uri, options, step=step))
+                full = {k: state[k].full_tensor() for k in want}
+            else:
+                full = {k: torch.zeros_like(v) for k, v in want.items()}
+                dcp.load(full, storage_reader=AmberStorageReader(uri, options, step=step))
+            for k, v in want.items():
+                assert torch.equal(full[k].view(torch.int32), v.view(torch.int32)), (rank, k)
+            print(f"rank {rank}: loaded bit-exact", flush=True)
+        else:
+            raise SystemExit(f"unknown job {job}")
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
