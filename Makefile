@@ -23,6 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,bench]"
 	$(PY) benchmarks/run.py
 
 clean:

@@ -10,6 +10,7 @@ prints stored bytes of both saves and the save times (median of ``--repeats`` ru
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
@@ -40,6 +41,7 @@ def main() -> None:
     p.add_argument("--gap", type=int, default=10, help="training steps between the two saves")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=100, help="training steps before the first save")
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
     trainer = Trainer(GPTConfig(width=args.width, layers=args.layers), data=corpus(2_000_000))
     for step in range(1, args.warmup + 1):
@@ -96,6 +98,8 @@ def main() -> None:
     print(f"\namber 2nd save stores {med(am['b2']) / med(fs['b2']):.3f} of FileSystemWriter's bytes; "
           f"save time ratio amber/FileSystemWriter: 1st {med(am['t1']) / med(fs['t1']):.2f}, "
           f"2nd {med(am['t2']) / med(fs['t2']):.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"raw_bytes": raw, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ MB/s counts raw tensor bytes (what the training job hands over), not stored byte
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -65,6 +66,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=128, help="approximate state size in MB")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
     state = make_state(args.mb)
     g = torch.Generator().manual_seed(1)
@@ -94,6 +96,8 @@ def main() -> None:
     for what in ("full", "delta", "load"):
         print(f"{what:>5}: loopback S3 / local dir = {median_rate(mb, s3r[what]) / median_rate(mb, local[what]):.2f}; "
               f"amber local / torch.save = {median_rate(mb, local[what]) / median_rate(mb, ts[what]):.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"mb": mb, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -151,6 +151,16 @@ def eval_loss(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]
     return statistics.mean(losses)
 
 
+def make_trainer(cfg: GPTConfig, args: argparse.Namespace, text: torch.Tensor, init_seed: int | None = None) -> Trainer:
+    trainer = Trainer(cfg, batch=args.batch, data=text, init_seed=init_seed)
+    if args.freeze:
+        last = f"blocks.{cfg.layers - 1}."
+        for name, param in trainer.model.named_parameters():
+            if not name.startswith(last):
+                param.requires_grad_(False)  # AdamW then keeps no state for it and never moves it
+    return trainer
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
@@ -162,6 +172,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="small model, 100+60 steps")
+    p.add_argument("--freeze", action="store_true",
+                   help="fine-tuning-like: freeze the embeddings and every block but the last")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
     if args.quick:
@@ -171,7 +183,7 @@ def main() -> None:
     text = corpus(4_000_000)
     split = int(len(text) * 0.95)
     train_text, held_out = text[:split], text[split:]
-    trainer = Trainer(cfg, batch=args.batch, data=train_text)
+    trainer = make_trainer(cfg, args, train_text)
     evaluator = Trainer(cfg, batch=args.batch, data=held_out)
     eval_batches = [evaluator.batch_at(10_000 + i) for i in range(8)]
     codecs = {"lossless": "xor", "sparse 2%": "sparse", "quant8": "quant8", "quant4": "quant4"}
@@ -199,7 +211,7 @@ def main() -> None:
         resumed: dict[str, float] = {}
         latest = args.steps - args.steps % args.every
         for name in ["amber lossless save"] + [f"amber {n} save_async" for n in codecs if n != "lossless"]:
-            t = Trainer(cfg, batch=args.batch, data=train_text, init_seed=1234)
+            t = make_trainer(cfg, args, train_text, init_seed=1234)
             t.load(stores[name].load(latest, lazy=False))
             for step in range(latest + 1, latest + args.resume_steps + 1):
                 t.step(step)
@@ -226,6 +238,9 @@ def main() -> None:
         return statistics.median([xs[i] for i in pos]) if pos else float("nan")
 
     print(f"machine: {machine()}")
+    frozen = sum(p.numel() for p in trainer.model.parameters() if not p.requires_grad)
+    if frozen:
+        print(f"fine-tuning: {frozen / n_params:.0%} of the parameters frozen (embeddings and all blocks but the last)")
     print(f"model: TinyGPT width {args.width}, {args.layers} layers, context {args.context}: {n_params / 1e6:.2f}M "
           f"params; AdamW; state {raw_bytes / 1e6:.1f} MB (fp32 weights + 2 moments); {args.steps} steps "
           f"({step_time * 1000:.0f} ms/step), checkpoint every {args.every}, amber full every {args.full_every}\n")

@@ -1,0 +1,229 @@
+"""``make bench``: every benchmark in one run, then benchmarks/RESULTS.md and PNG plots.
+
+Each benchmark runs as its own process (so one's memory and threads do not skew the next),
+prints a markdown report (kept in benchmarks/results/NAME.md) and writes its raw figures as
+JSON; this script turns those into the plots and the summary, whose every figure is a ratio
+against a peer measured in the same run.
+
+    python benchmarks/run.py            # about 12 minutes on 2 cores
+    python benchmarks/run.py --quick    # a few minutes, smaller workloads
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.common import machine  # noqa: E402
+
+GOALS = {"lossless": 2.5, "lossy": 50.0, "fidelity_pct": 1.0, "stall": 1.2}
+
+
+def run(name: str, *args: str) -> tuple[str, dict]:
+    out_json = RESULTS / f"{name}.json"
+    script = HERE / f"{name.split('-')[0]}.py"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(script), *args, "--json", str(out_json)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{script.name} failed:\n{proc.stderr[-4000:]}")
+    report = proc.stdout.strip()
+    (RESULTS / f"{name}.md").write_text(report + "\n")
+    print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return report, json.loads(out_json.read_text())
+
+
+def training_figures(data: dict, every: int, full_every: int) -> dict[str, float]:
+    methods = data["methods"]
+    n = len(methods["torch.save"]["bytes"])
+    inc = [i for i in range(n) if i % full_every]
+    ts = methods["torch.save"]["bytes"]
+
+    def ratio(name: str) -> float:
+        return statistics.median(ts[i] for i in inc) / statistics.median(methods[name]["bytes"][i] for i in inc)
+
+    stall = {name: statistics.median(m["stalls"]) for name, m in methods.items()}
+    out = {"lossless": ratio("amber lossless save")}
+    for name in methods:
+        if name.endswith("save_async") and "lossless" not in name:
+            out[name] = ratio(name)
+    out["stall_async_vs_copy"] = stall["amber lossless save_async"] / stall["bare host copy (clone)"]
+    out["stall_sync_vs_torch_save"] = stall["amber lossless save"] / stall["torch.save"]
+    out["stall_async_vs_dcp_async"] = stall["amber lossless save_async"] / stall["DCP async_save"]
+    base = data["resumed_loss"]["amber lossless save"]
+    for name, loss in data["resumed_loss"].items():
+        out[f"fidelity {name}"] = (loss / base - 1) * 100
+    out["whole_run_lossless"] = sum(ts) / sum(methods["amber lossless save"]["bytes"])
+    return out
+
+
+def plot_training(data: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    every = data["args"]["every"]
+    methods = data["methods"]
+    shown = ["torch.save", "zarr+blosc-zstd, no deltas", "amber lossless save", "amber sparse 2% save_async",
+             "amber quant8 save_async", "amber quant4 save_async"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name in shown:
+        if name not in methods:
+            continue
+        ys = [v / 1e6 for v in methods[name]["bytes"]]
+        xs = [every * (i + 1) for i in range(len(ys))]
+        a.plot(xs, ys, marker=".", label=name)
+        acc, total = [], 0.0
+        for y in ys:
+            total += y
+            acc.append(total)
+        b.plot(xs, acc, label=name)
+    for name in ["bare host copy (clone)", "torch.save", "DCP save", "DCP async_save", "amber lossless save",
+                 "amber lossless save_async"]:
+        ys = [v * 1000 for v in methods[name]["stalls"]]
+        c.plot([every * (i + 1) for i in range(len(ys))], ys, marker=".", label=name)
+    a.set(title="stored MB per checkpoint", xlabel="training step", ylabel="MB")
+    b.set(title="cumulative stored MB", xlabel="training step", ylabel="MB")
+    c.set(title="training stall per checkpoint", xlabel="training step", ylabel="ms", yscale="log")
+    for ax in (a, b, c):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(data: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["params"] / 1e6 for r in data]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("torch_save", "torch.save"), ("full", "amber full"), ("delta", "amber delta")):
+        a.plot(xs, [statistics.median(r[f"{key}_s"]) for r in data], marker="o", label=label)
+        b.plot(xs, [r[f"{key}_bytes"] / 1e6 for r in data], marker="o", label=label)
+    a.set(title="save time", xlabel="parameters (M)", ylabel="s")
+    b.set(title="stored MB", xlabel="parameters (M)", ylabel="MB")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def verdict(value: float, goal: float, higher_is_better: bool = True) -> str:
+    met = value >= goal if higher_is_better else value <= goal
+    return "met" if met else "**not met**"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    started = time.perf_counter()
+    print("running benchmarks:", flush=True)
+    train_args = ["--quick"] if args.quick else ["--width", "192", "--layers", "3", "--steps", "300",
+                                                 "--resume-steps", "200"]
+    training_md, training = run("training", *train_args)
+    frozen_md, frozen = run("training-frozen", *train_args, "--freeze")
+    throughput_md, _ = run("throughput", "--mb", "32" if args.quick else "96", "--repeats", "3")
+    dcp_md, _ = run("dcp_bench", *(["--width", "128", "--layers", "2", "--warmup", "30"] if args.quick else []))
+    codecs_md, _ = run("codecs_bench", "--mb", "32" if args.quick else "64")
+    sweep_md, sweep = run("sweep", "--sizes", *(["5", "12"] if args.quick else ["5", "12", "25", "50", "100"]))
+    plot_training(training, RESULTS / "training.png", "GPT + AdamW, checkpoint every 10 steps")
+    plot_training(frozen, RESULTS / "training-frozen.png", "fine-tuning: all but the last block frozen")
+    plot_sweep(sweep, RESULTS / "sweep.png")
+    every, full_every = training["args"]["every"], training["args"]["full_every"]
+    f = training_figures(training, every, full_every)
+    ff = training_figures(frozen, every, full_every)
+    lossy = {k: v for k, v in f.items() if k.endswith("save_async")}
+    best_lossy = max(lossy, key=lossy.get)
+    fid = {k[len("fidelity "):]: v for k, v in f.items() if k.startswith("fidelity ")}
+    elapsed = time.perf_counter() - started
+
+    summary = f"""# Benchmark results
+
+Produced by `make bench` (`python benchmarks/run.py{' --quick' if args.quick else ''}`) on
+{datetime.date.today().isoformat()}, in {elapsed / 60:.1f} minutes. Machine: {machine()}. Every figure below
+is measured in this one run; ratios compare methods on the same states. The per-benchmark
+reports (with their own commands) are in `benchmarks/results/*.md`, raw figures in `*.json`.
+
+## The goals, plainly
+
+| goal (issue) | measured | verdict |
+| --- | --- | --- |
+| lossless delta step >= {GOALS['lossless']}x smaller than torch.save | {f['lossless']:.2f}x (fine-tuning run: {ff['lossless']:.2f}x) | {verdict(f['lossless'], GOALS['lossless'])} |
+| lossy delta step >= {GOALS['lossy']:.0f}x smaller than torch.save | best {lossy[best_lossy]:.1f}x ({best_lossy}) | {verdict(lossy[best_lossy], GOALS['lossy'])} |
+| lossy resume within {GOALS['fidelity_pct']:.0f}% of the lossless resume's loss | {", ".join(f"{k.replace(' save_async', '')}: {v:+.2f}%" for k, v in fid.items() if 'lossless' not in k)} | {verdict(max(abs(v) for v in fid.values()), GOALS['fidelity_pct'], higher_is_better=False)} |
+| save_async stall <= {GOALS['stall']}x a bare device-to-host copy | {f['stall_async_vs_copy']:.2f}x | {verdict(f['stall_async_vs_copy'], GOALS['stall'], higher_is_better=False)} |
+
+Where amber-store loses:
+
+- **Synchronous save time.** `store.save` blocks {f['stall_sync_vs_torch_save']:.1f}x longer than
+  `torch.save` of the same state: zarr-python costs about 2 ms per array (codec pipeline and
+  thread hops for each of ~100 tensors here), and the bytes go through XOR, crc32c and blosc.
+  `save_async` hides it ({f['stall_async_vs_dcp_async']:.2f}x DCP's `async_save` stall), but
+  the background work still takes the CPU time shown in the sweep.
+- **Load throughput.** Reading a delta step walks its chain (full base + deltas) and
+  decompresses each: several times slower than `torch.load` from the page cache (throughput
+  report below).
+- **Lossless ratio on fp32 AdamW.** Every weight and both moments change at every step, so
+  only sign, exponent and high mantissa bits repeat: XOR deltas compress to {1 / f['lossless']:.2f} of
+  torch.save, not the {1 / GOALS['lossless']:.1f} the goal asks. Frozen tensors cost nothing (fine-tuning
+  run), which is where lossless deltas shine.
+- **Lossy ratio.** Checkpointing every {every} steps, many elements of Adam's moments move by
+  more than 2%, so the 2% sparse delta is only {lossy['amber sparse 2% save_async']:.1f}x smaller than torch.save;
+  quantization (one scale per 4 MiB chunk) reaches {lossy[best_lossy]:.1f}x ({best_lossy}). Per-block
+  scales, entropy coding of the codes, and checkpointing more often are the levers left.
+
+## Training trajectory
+
+![stored bytes and stall per checkpoint](results/training.png)
+
+{training_md}
+
+## Fine-tuning trajectory (most of the model frozen)
+
+![fine-tuning trajectory](results/training-frozen.png)
+
+{frozen_md}
+
+## Local directory vs loopback S3
+
+{throughput_md}
+
+## torch.distributed.checkpoint
+
+{dcp_md}
+
+## Encode throughput
+
+{codecs_md}
+
+## Model-size sweep
+
+![save time and bytes by model size](results/sweep.png)
+
+{sweep_md}
+"""
+    (HERE / "RESULTS.md").write_text(summary)
+    print(f"wrote {HERE / 'RESULTS.md'} in {elapsed / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
