@@ -43,8 +43,10 @@ from .format import (
     bits_to_numpy,
     chunk_grid,
     chunk_slices,
+    dtype_name,
     iter_chunk_indices,
     itemsize,
+    numpy_to_tensor,
     region_chunks,
     to_bits,
 )
@@ -238,22 +240,15 @@ class QuantizedDeltaCodec(DeltaCodec):
         if not bool(q.any()):
             return None
         host_q = q.to("cpu")
-        recon = dequantize(base, host_q.numpy(), tuple(slice(0, s) for s in shape), _dtype_name(value.dtype),
+        recon = dequantize(base, host_q.numpy(), tuple(slice(0, s) for s in shape), dtype_name(value.dtype),
                            shape, chunks, scales)
         return Delta(host_q.numpy(), torch.from_numpy(recon).view(base.dtype), {"scales": [s.hex() for s in scales]})
 
     def apply(self, stored: np.ndarray, base: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> np.ndarray:
         assert entry.params is not None
         scales = [float.fromhex(s) for s in entry.params["scales"]]
-        return dequantize(torch.from_numpy(base.view(_TORCHABLE[base.dtype.itemsize])), stored, region, entry.dtype,
+        return dequantize(to_bits(numpy_to_tensor(base, entry.dtype)), stored, region, entry.dtype,
                           tuple(entry.shape), tuple(entry.chunks), scales)
-
-
-_TORCHABLE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 def dequantize(base: torch.Tensor, q: np.ndarray, region: tuple[slice, ...], dtype: str, shape: tuple[int, ...],
@@ -272,10 +267,10 @@ def dequantize(base: torch.Tensor, q: np.ndarray, region: tuple[slice, ...], dty
 
 
 @dataclass(frozen=True)
-class SparseBytesCodec(ArrayBytesCodec):
-    """Serializes a mostly-zero chunk as ``[n: u32][n index gaps: u32][n values]``."""
+class _Serializer(ArrayBytesCodec):
+    """An array-to-bytes codec without configuration."""
 
-    name: ClassVar[str] = "amber.sparse"
+    name: ClassVar[str]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
@@ -284,6 +279,13 @@ class SparseBytesCodec(ArrayBytesCodec):
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name}
+
+
+@dataclass(frozen=True)
+class SparseBytesCodec(_Serializer):
+    """Serializes a mostly-zero chunk as ``[n: u32][n index gaps: u32][n values]``."""
+
+    name: ClassVar[str] = "amber.sparse"
 
     async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
         flat = np.ascontiguousarray(chunk_array.as_numpy_array()).reshape(-1)
@@ -308,18 +310,10 @@ class SparseBytesCodec(ArrayBytesCodec):
 
 
 @dataclass(frozen=True)
-class Pack4BytesCodec(ArrayBytesCodec):
+class Pack4BytesCodec(_Serializer):
     """Serializes int8 codes in [-7, 7] as 4-bit nibbles, two per byte."""
 
     name: ClassVar[str] = "amber.pack4"
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Self:
-        parse_named_configuration(data, cls.name, require_configuration=False)
-        return cls()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name}
 
     async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
         flat = (np.ascontiguousarray(chunk_array.as_numpy_array()).reshape(-1).astype(np.int16) + 8).astype(np.uint8)

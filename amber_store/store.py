@@ -307,7 +307,7 @@ class Store:
         self._require_writable()
         self._background.raise_failure()
         t0 = time.perf_counter()
-        tree, tensors = self._validate(step, state_dict, check_store=False)
+        tree, tensors = self._validate(step, state_dict)
         if self._submitted is not None and step <= self._submitted:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the pending save of step {self._submitted}")
         self._background.reserve()
@@ -330,18 +330,15 @@ class Store:
         """Block until every :meth:`save_async` has committed; raise the first failure."""
         self._background.wait()
 
-    def _validate(self, step: int, state_dict: Any, check_store: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    @staticmethod
+    def _validate(step: int, state_dict: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
-        if check_store:
-            latest = self.latest()
-            self._check_sole_writer(latest)
-            if latest is not None and step <= latest:
-                raise StepOrderError(f"{self.uri}: step {step} is not newer than the latest committed step {latest}")
         return fmt.flatten(state_dict)
 
     def _save_now(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
                   t0: float) -> CommitInfo:
+        """Check the step against the store as it is now, then write and commit it."""
         latest = self.latest()
         self._check_sole_writer(latest)
         if latest is not None and step <= latest:

@@ -81,7 +81,7 @@ def test_flipped_byte_in_a_chunk_is_detected_naming_step_and_tensor(local_store,
     path.write_bytes(bytes(data))
     reader = local_store(mode="r")
     for step in (1, 2):  # the damaged base also poisons the delta step built on it
-        with pytest.raises(amber.CorruptDataError, match=f"step 1, tensor 't3'") as err:
+        with pytest.raises(amber.CorruptDataError, match="step 1, tensor 't3'") as err:
             reader.load(step)["t3"].materialize()
         assert err.value.step == 1 and err.value.tensor == "t3"
     assert_bit_equal(reader.load(2)["t2"].materialize(), s["t2"])  # the rest still loads

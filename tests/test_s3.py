@@ -7,7 +7,6 @@ test needs a server it can stop, so it runs on loopback only.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 
 import pytest

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import amber_store as amber
 from amber_store.demo import GPTConfig, Trainer, corpus
 from conftest import assert_tree_bit_equal
 
