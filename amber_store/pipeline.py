@@ -205,10 +205,20 @@ class Writer:
 
 
 class Snapshots:
-    """Consistent host copies of a state's tensors in reusable buffers (pinned for CUDA
-    sources), so an async save can return while training goes on updating the originals."""
+    """Consistent copies of a state's tensors in reusable buffers, so an async save can return
+    while training goes on updating the originals.
 
-    def __init__(self) -> None:
+    ``where="host"`` (default) copies to host memory (pinned for accelerator tensors): the
+    smallest stall and no extra device memory; deltas are then encoded on the host.
+    ``where="device"`` copies on the tensor's own device, so deltas are encoded there and only
+    encoded bytes cross to the host, at the price of one more copy of the state in device
+    memory.
+    """
+
+    def __init__(self, where: str = "host") -> None:
+        if where not in ("host", "device"):
+            raise ValueError(f"snapshot must be 'host' or 'device', not {where!r}")
+        self.where = where
         self._free: list[dict[str, torch.Tensor]] = []
         self._lock = threading.Lock()
 
@@ -220,8 +230,10 @@ class Snapshots:
             t = t.detach()
             buf = buffers.get(key)
             on_device = t.device.type != "cpu"
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_device)
+            device = t.device if self.where == "device" else torch.device("cpu")
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != device:
+                pin = on_device and device.type == "cpu"
+                buf = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
             buf.copy_(t, non_blocking=on_device)
             out[key] = buf
         for device in {t.device for t in tensors.values() if t.device.type != "cpu"}:

@@ -87,6 +87,9 @@ class Store:
             ``[(key pattern, codec), ...]`` such as ``[("optim/*", "sparse")]``; see
             :class:`~amber_store.codecs.Policy`. Full steps are always lossless.
         max_pending: how many :meth:`save_async` calls may be unfinished at once.
+        snapshot: where :meth:`save_async` copies the state: ``"host"`` (pinned host buffers;
+            deltas encoded on the host) or ``"device"`` (the tensors' device; deltas encoded
+            there, one more copy of the state in device memory).
         write_workers, max_inflight_bytes: threads writing one step's tensors, and the bound
             on encoded bytes waiting for them.
     """
@@ -106,6 +109,7 @@ class Store:
         max_inflight_bytes: int = 1 << 30,
         codec: CodecPolicy = "xor",
         max_pending: int = 1,
+        snapshot: str = "host",
     ) -> None:
         if full_every < 1:
             raise ValueError("full_every must be >= 1")
@@ -131,7 +135,7 @@ class Store:
         self._last_commit: int | None = None
         self._submitted: int | None = None
         self._background = Background(max_pending)
-        self._snapshots = Snapshots()
+        self._snapshots = Snapshots(snapshot)
         sync(self._init_root())
 
     # --- opening ------------------------------------------------------------------------
@@ -295,9 +299,9 @@ class Store:
         """Snapshot ``state_dict`` and save it in the background; returns once the snapshot is
         taken, so training may update its tensors right away.
 
-        The snapshot is a copy into reused host buffers (pinned, for CUDA tensors); encoding,
-        compression, writes and the commit run on a background thread, one save after the
-        other. At most ``max_pending`` saves are unfinished: beyond that this call waits
+        The snapshot is a copy into reused buffers (``snapshot="host"``: pinned host memory for
+        accelerator tensors; ``"device"``: on the tensors' device); encoding, compression,
+        writes and the commit run on a background thread, one save after the other. At most ``max_pending`` saves are unfinished: beyond that this call waits
         (back-pressure), so host memory stays bounded at ``max_pending`` snapshots plus
         ``max_inflight_bytes`` of encoded data. A failure is set on the returned future and
         raised (as :class:`AsyncSaveError`) by the next call of ``save``, ``save_async`` or

@@ -142,6 +142,7 @@ def main() -> None:
     training_md, training = run("training", *train_args)
     frozen_md, frozen = run("training-frozen", *train_args, "--freeze")
     throughput_md, _ = run("throughput", "--mb", "32" if args.quick else "96", "--repeats", "3")
+    load_md, _ = run("load_bench", "--mb", "32" if args.quick else "64")
     dcp_md, _ = run("dcp_bench", *(["--width", "128", "--layers", "2", "--warmup", "30"] if args.quick else []))
     codecs_md, _ = run("codecs_bench", "--mb", "32" if args.quick else "64")
     sweep_md, sweep = run("sweep", "--sizes", *(["5", "12"] if args.quick else ["5", "12", "25", "50", "100"]))
@@ -179,9 +180,11 @@ Where amber-store loses:
   thread hops for each of ~100 tensors here), and the bytes go through XOR, crc32c and blosc.
   `save_async` hides it ({f['stall_async_vs_dcp_async']:.2f}x DCP's `async_save` stall), but
   the background work still takes the CPU time shown in the sweep.
-- **Load throughput.** Reading a delta step walks its chain (full base + deltas) and
-  decompresses each: several times slower than `torch.load` from the page cache (throughput
-  report below).
+- **Load time.** Reading a delta step walks its chain (the full base and every delta up to
+  it) and decompresses each: far slower than `torch.load` from the page cache (load report
+  below). Lazy reads fetch whole chunks along the chain: a 16-row slice of a tensor stored as
+  one 4 MiB chunk still reads that chunk from every step of the chain (smaller `chunk_bytes`
+  trade object count for cheaper slices).
 - **Lossless ratio on fp32 AdamW.** Every weight and both moments change at every step, so
   only sign, exponent and high mantissa bits repeat: XOR deltas compress to {1 / f['lossless']:.2f} of
   torch.save, not the {1 / GOALS['lossless']:.1f} the goal asks. Frozen tensors cost nothing (fine-tuning
@@ -206,6 +209,10 @@ Where amber-store loses:
 ## Local directory vs loopback S3
 
 {throughput_md}
+
+## Loading: latest, historical, one tensor lazily
+
+{load_md}
 
 ## torch.distributed.checkpoint
 

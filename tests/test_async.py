@@ -53,9 +53,10 @@ def test_save_async_returns_before_the_writes_finish(tmp_path):
     assert info.step == 1 and store.steps() == [1]
 
 
-def test_tensors_mutated_right_after_save_async_do_not_leak_into_the_step(tmp_path):
+@pytest.mark.parametrize("snapshot", ["host", "device"])
+def test_tensors_mutated_right_after_save_async_do_not_leak_into_the_step(tmp_path, snapshot):
     slow = SlowStore(LocalStore(tmp_path / "ckpt"))
-    store = amber.open(slow)
+    store = amber.open(slow, snapshot=snapshot)
     live = state(2)
     expected = {k: v.clone() for k, v in live.items()}
     slow.gate.clear()  # hold the writes until the caller has scribbled over its tensors
@@ -156,3 +157,10 @@ def test_manager_without_async_and_config_errors(tmp_path):
     assert isinstance(info, amber.CommitInfo) and info.step == 2
     assert_bit_equal(manager.store.load(2)["model"]["weight"].materialize(), model.weight.detach())
     manager.close()
+
+
+def test_bad_async_options_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="snapshot"):
+        amber.open(tmp_path / "a", snapshot="gpu")
+    with pytest.raises(ValueError, match="max_pending"):
+        amber.open(tmp_path / "b", max_pending=0)
