@@ -235,16 +235,9 @@ def _promote(store: Store, bases: _RankBases) -> None:
 
 
 def _base(store: Store, bases: _RankBases, base_m: Manifest | None, key: str) -> Base | None:
-    if base_m is None or key not in base_m.tensors:
+    if base_m is None:
         return None
-    if bases.step == base_m.step and key in bases.values:
-        entry = base_m.tensors[key]
-        holder = base_m.step
-        if entry.encoding == "same":
-            assert entry.base is not None
-            holder, entry = entry.base, store.manifest(entry.base).tensors[key]
-        return Base(holder, entry, bases.values[key])
-    return store._base_for(base_m, key)
+    return store._base_for(base_m, key, cache=(bases.step, bases.values))
 
 
 def _looks_like_uri(checkpoint_id: str | os.PathLike[str]) -> bool:

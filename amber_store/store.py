@@ -412,8 +412,10 @@ class Store:
             return self.manifest(prev.base)
         return prev
 
-    def _base_for(self, base: Manifest, key: str) -> Base | None:
-        """The value of ``key`` at step ``base``, and the entry that holds its data."""
+    def _base_for(self, base: Manifest, key: str,
+                  cache: tuple[int | None, dict[str, torch.Tensor]] | None = None) -> Base | None:
+        """The value of ``key`` at step ``base``, and the entry that holds its data; from
+        ``cache`` (``(step, values)``, default this store's own) when it holds that step."""
         entry = base.tensors.get(key)
         if entry is None:
             return None
@@ -421,8 +423,9 @@ class Store:
         if entry.encoding == "same":
             assert entry.base is not None
             holder, entry = entry.base, self.manifest(entry.base).tensors[key]
-        if self._cache_step == base.step and key in self._cache:
-            return Base(holder, entry, self._cache[key])
+        cache_step, values = cache if cache is not None else (self._cache_step, self._cache)
+        if cache_step == base.step and key in values:
+            return Base(holder, entry, values[key])
         # Another process wrote the base, or this store was just opened: read it once.
         return Base(holder, entry, fmt.to_bits(self._materialized(holder, key)))
 
