@@ -150,7 +150,7 @@ class AmberStorageWriter(StorageWriter):
         bases = _bases(store.uri)
         base_m = store.manifest(decision.base) if decision.base is not None else None
         _promote(store, bases)
-        writer = Writer(store._zstore, workers=store._write_workers, max_inflight_bytes=store._max_inflight)
+        writer = Writer(store._zstore, concurrency=store._write_concurrency, max_inflight_bytes=store._max_inflight)
         keyed: dict[str, WriteItem] = {}
         try:
             for item in plan.items:

@@ -8,6 +8,7 @@ into zarr from a small thread pool while the caller encodes the next tensor, hol
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import threading
@@ -153,54 +154,65 @@ async def write_encoded(store: AccountingStore, enc: Encoded) -> int:
     return sum(ledger.values())
 
 
-class Writer:
-    """Writes encoded tensors in the background with bounded in-flight bytes."""
+async def _running_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.get_running_loop()
 
-    def __init__(self, store: AccountingStore, *, workers: int = 2, max_inflight_bytes: int = 1 << 30):
+
+class Writer:
+    """Writes encoded tensors on zarr's event loop while the caller encodes the next ones.
+
+    At most ``concurrency`` tensors and ``max_inflight_bytes`` of encoded data are in flight;
+    :meth:`submit` waits beyond that. Writes go straight to zarr's loop rather than through a
+    thread per write blocking in ``sync()``: on this 2-core machine those threads only
+    contended for the GIL (saves of many small tensors were 10-30% slower, noisily).
+    """
+
+    def __init__(self, store: AccountingStore, *, concurrency: int = 64, max_inflight_bytes: int = 1 << 30):
         self._store = store
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="amber-write")
+        self._loop = sync(_running_loop())
+        self._concurrency = max(1, concurrency)
         self._max = max_inflight_bytes
         self._pending: dict[Future[int], tuple[Encoded, int]] = {}
         self._inflight = 0
         self._done: list[Encoded] = []
+        self._failure: BaseException | None = None
 
     def submit(self, enc: Encoded) -> None:
+        if self._failure is not None:
+            raise self._failure
         if enc.data is None:
             self._done.append(enc)
             return
         size = enc.data.nbytes
-        while self._pending and self._inflight + size > self._max:
-            self._reap(FIRST_COMPLETED)
-        fut = self._pool.submit(self._write, enc)
+        while self._pending and (self._inflight + size > self._max or len(self._pending) >= self._concurrency):
+            self._reap()
+        fut = asyncio.run_coroutine_threadsafe(write_encoded(self._store, enc), self._loop)
         self._pending[fut] = (enc, size)
         self._inflight += size
 
-    def _write(self, enc: Encoded) -> int:
-        # The coroutine is made here, in the worker, so a cancelled write leaves none unawaited.
-        return sync(write_encoded(self._store, enc))
-
-    def _reap(self, how: str) -> None:
-        done, _ = wait(list(self._pending), return_when=how)
+    def _reap(self) -> None:
+        done, _ = wait(list(self._pending), return_when=FIRST_COMPLETED)
         for fut in done:
             enc, size = self._pending.pop(fut)
             self._inflight -= size
-            enc.entry.stored = fut.result()
-            self._done.append(enc)
+            if fut.exception() is not None:
+                self._failure = self._failure or fut.exception()
+            else:
+                enc.entry.stored = fut.result()
+                self._done.append(enc)
 
     def finish(self) -> list[Encoded]:
-        """Wait for every write. On the first failure, writes not started are cancelled, the
-        running ones finish, and the failure is raised."""
-        try:
-            while self._pending:
-                self._reap(FIRST_COMPLETED)
-            return self._done
-        finally:
-            self.close()
+        """Wait for every write; if any failed, raise the first failure once all settled
+        (so no write of this attempt is still running when the save reports its failure)."""
+        while self._pending:
+            self._reap()
+        if self._failure is not None:
+            raise self._failure
+        return self._done
 
     def close(self) -> None:
-        for fut in self._pending:
-            fut.cancel()
-        self._pool.shutdown(wait=True)
+        """Let writes still in flight settle (after an error elsewhere in the save)."""
+        wait(list(self._pending))
         self._pending.clear()
 
 

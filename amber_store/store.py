@@ -90,8 +90,8 @@ class Store:
         snapshot: where :meth:`save_async` copies the state: ``"host"`` (pinned host buffers;
             deltas encoded on the host) or ``"device"`` (the tensors' device; deltas encoded
             there, one more copy of the state in device memory).
-        write_workers, max_inflight_bytes: threads writing one step's tensors, and the bound
-            on encoded bytes waiting for them.
+        write_concurrency, max_inflight_bytes: how many tensors of one step are written at
+            once, and the bound on encoded bytes waiting to be written.
     """
 
     def __init__(
@@ -105,7 +105,7 @@ class Store:
         compression_level: int = 1,
         verify_checksums: bool = True,
         progress: bool = False,
-        write_workers: int = 2,
+        write_concurrency: int = 64,
         max_inflight_bytes: int = 1 << 30,
         codec: CodecPolicy = "xor",
         max_pending: int = 1,
@@ -124,7 +124,7 @@ class Store:
         self.compression_level = compression_level
         self.verify_checksums = verify_checksums
         self.progress = progress
-        self._write_workers = write_workers
+        self._write_concurrency = write_concurrency
         self.policy = Policy(codec)
         self._max_inflight = max_inflight_bytes
         self._manifests: dict[int, Manifest] = {}
@@ -373,7 +373,7 @@ class Store:
         commit and each tensor's new materialized bits (the next base)."""
         attempt = uuid.uuid4().hex[:8]
         group = fmt.step_group(step, attempt)
-        writer = Writer(self._zstore, workers=self._write_workers, max_inflight_bytes=self._max_inflight)
+        writer = Writer(self._zstore, concurrency=self._write_concurrency, max_inflight_bytes=self._max_inflight)
         try:
             sync(self._write_groups(group, step, tensors))
             items = tqdm(tensors.items(), desc=f"save {step}", unit="tensor", disable=not self.progress)
