@@ -61,9 +61,9 @@ def test_sharded_save_on_2_ranks_loads_bit_exact_on_3_ranks_and_in_one_process(d
                                      "w/0_0", "w/5_0"]
     assert second.nbytes_stored * 10 < first.nbytes_stored
     assert {k for k, e in second.tensors.items() if e.encoding != "same"} == {"w/0_0"}
-    launch("load", 3, uri, opts)
-    launch("load", 0, uri, opts)
-    launch("load", 0, uri, {**opts, "version": 1, "step": 0})
+    for world, extra in ((3, {}), (0, {}), (0, {"version": 1, "step": 0})):
+        outs = launch("load", world, uri, {**opts, **extra})
+        assert all("loaded bit-exact" in o for o in outs)
 
 
 def test_a_rank_failing_mid_save_leaves_the_step_uncommitted_and_earlier_steps_intact(tmp_path):
@@ -73,7 +73,7 @@ def test_a_rank_failing_mid_save_leaves_the_step_uncommitted_and_earlier_steps_i
     assert all("failed as expected" in o for o in outs)
     store = amber.open(uri, mode="r")
     assert store.steps() == [0, 1]
-    launch("load", 2, uri)
+    assert all("loaded bit-exact" in o for o in launch("load", 2, uri))
 
 
 def test_two_consecutive_dcp_saves_in_one_process_make_the_second_a_small_delta(tmp_path):
