@@ -41,14 +41,12 @@ from .format import (
     TensorEntry,
     bits_numpy_dtype,
     bits_to_numpy,
-    chunk_grid,
-    chunk_slices,
     dtype_name,
-    iter_chunk_indices,
     itemsize,
     numpy_to_tensor,
     region_chunks,
     to_bits,
+    whole,
 )
 
 if TYPE_CHECKING:
@@ -230,8 +228,7 @@ class QuantizedDeltaCodec(DeltaCodec):
         shape = tuple(value.shape)
         q = torch.zeros(shape, dtype=torch.int8, device=value.device)
         scales = []
-        for idx in iter_chunk_indices(chunk_grid(shape, chunks)):
-            sl = chunk_slices(idx, shape, chunks)
+        for _, _, sl in region_chunks(whole(shape), shape, chunks):
             peak = float(d[sl].abs().max()) if d[sl].numel() else 0.0
             scale = peak / self.qmax
             scales.append(scale)
@@ -240,7 +237,7 @@ class QuantizedDeltaCodec(DeltaCodec):
         if not bool(q.any()):
             return None
         host_q = q.to("cpu")
-        recon = dequantize(base, host_q.numpy(), tuple(slice(0, s) for s in shape), dtype_name(value.dtype),
+        recon = dequantize(base, host_q.numpy(), whole(shape), dtype_name(value.dtype),
                            shape, chunks, scales)
         return Delta(host_q.numpy(), torch.from_numpy(recon).view(base.dtype), {"scales": [s.hex() for s in scales]})
 

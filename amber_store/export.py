@@ -31,7 +31,7 @@ def file_format(path: str | os.PathLike[str], format: Format | None) -> Format:
     return _SUFFIXES[suffix]
 
 
-def _flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """Tensors of a nested state, keyed by their '.'-joined path (a model state dict stays as is)."""
     out: dict[str, torch.Tensor] = {}
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
@@ -40,7 +40,7 @@ def _flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         if isinstance(v, torch.Tensor):
             out[key] = v.contiguous()
         else:
-            out.update(_flat_tensors(v, key + "."))
+            out.update(flat_tensors(v, key + "."))
     return out
 
 
@@ -61,7 +61,7 @@ def export(store: Store, step: int, path: str | os.PathLike[str], *, format: For
         subtree = "model"
     for part in subtree.split("/") if subtree else []:
         node = node[part]
-    tensors = _flat_tensors(materialize(node))
+    tensors = flat_tensors(materialize(node))
     if not tensors:
         raise UnsupportedStateError(f"step {step}: no tensors under {subtree or 'the root'!r} to export")
     save_file(tensors, str(path), metadata={"amber_store.step": str(step), "amber_store.subtree": subtree or ""})

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
+import crc32c
 import numpy as np
 import torch
 
@@ -76,11 +77,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def itemsize(name: str) -> int:
     return torch.empty((), dtype=DTYPES[name]).element_size()
-
-
-def bits_torch_dtype(name: str) -> torch.dtype:
-    """The integer dtype whose bitwise ops torch implements, of the same width as ``name``."""
-    return _BITS_TORCH[itemsize(name)]
 
 
 def bits_numpy_dtype(name: str) -> np.dtype:
@@ -152,6 +148,19 @@ def region_chunks(
         flat = int(np.ravel_multi_index(idx, grid)) if grid else 0
         local = tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(chunk_slices(idx, shape, chunks), region))
         yield flat, idx, local
+
+
+def whole(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(0, s) for s in shape)
+
+
+def region_crcs(
+    data: np.ndarray, region: tuple[slice, ...], shape: tuple[int, ...], chunks: tuple[int, ...]
+) -> Iterator[tuple[int, tuple[int, ...], int]]:
+    """(flat index, grid index, crc32c) of each chunk of ``data``, the bits of a chunk-aligned
+    ``region``: the checksum of a chunk is that of its in-bounds elements in C order."""
+    for flat, idx, local in region_chunks(region, shape, chunks):
+        yield flat, idx, crc32c.crc32c(np.ascontiguousarray(data[local]).data)
 
 
 # --- zarr array metadata ------------------------------------------------------------------

@@ -16,7 +16,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c
 import numpy as np
 import torch
 from zarr.core.array import AsyncArray
@@ -30,12 +29,11 @@ from .format import (
     TensorEntry,
     array_metadata,
     bits_to_numpy,
-    chunk_grid,
-    chunk_slices,
     choose_chunks,
     dtype_name,
-    iter_chunk_indices,
+    region_crcs,
     to_bits,
+    whole,
 )
 
 
@@ -68,10 +66,7 @@ def chunk_crcs(bits: torch.Tensor, chunks: tuple[int, ...]) -> list[int]:
     """crc32c of each chunk of host ``bits`` (in-bounds part, C order, little-endian)."""
     arr = bits_to_numpy(bits)
     shape = tuple(arr.shape)
-    return [
-        crc32c.crc32c(np.ascontiguousarray(arr[chunk_slices(i, shape, chunks)]).data)
-        for i in iter_chunk_indices(chunk_grid(shape, chunks))
-    ]
+    return [crc for _, _, crc in region_crcs(arr, whole(shape), shape, chunks)]
 
 
 def encode(

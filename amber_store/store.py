@@ -17,7 +17,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-import crc32c
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -431,7 +430,7 @@ class Store:
 
     def _materialized(self, step: int, key: str) -> torch.Tensor:
         e = self.manifest(step).tensors[key]
-        return fmt.numpy_to_tensor(sync(self._read_bits(step, key, _whole(e))), e.dtype)
+        return fmt.numpy_to_tensor(sync(self._read_bits(step, key, fmt.whole(tuple(e.shape)))), e.dtype)
 
     def _forget(self) -> None:
         """Drop cached manifests and array handles (after gc rewrote or removed some)."""
@@ -568,7 +567,7 @@ class Store:
     async def _verify_step(self, m: Manifest) -> dict[str, str | None]:
         async def one(key: str, e: TensorEntry) -> str | None:
             try:
-                await self._read_bits(m.step, key, _whole(e), check=True)
+                await self._read_bits(m.step, key, fmt.whole(tuple(e.shape)), check=True)
             except CorruptDataError as err:
                 return str(err)
             return None
@@ -646,8 +645,7 @@ class Store:
         return codec.apply(delta, base, region, e)
 
     def _check_crcs(self, step: int, key: str, e: TensorEntry, region: tuple[slice, ...], data: np.ndarray) -> None:
-        for flat, idx, local in fmt.region_chunks(region, tuple(e.shape), tuple(e.chunks)):
-            got = crc32c.crc32c(np.ascontiguousarray(data[local]).data)
+        for flat, idx, got in fmt.region_crcs(data, region, tuple(e.shape), tuple(e.chunks)):
             if got != e.crc32c[flat]:
                 raise CorruptDataError(
                     f"{self.uri}: step {step}, tensor {key!r}, chunk {idx}: checksum mismatch "
@@ -659,10 +657,6 @@ def _is_storage_error(e: BaseException) -> bool:
     """I/O failures (disk, network, the object store's answers), as opposed to bugs."""
     return isinstance(e, (OSError, TimeoutError)) or type(e).__module__.split(".")[0] in (
         "botocore", "aiobotocore", "aiohttp", "s3fs")
-
-
-def _whole(e: TensorEntry) -> tuple[slice, ...]:
-    return tuple(slice(0, s) for s in e.shape)
 
 
 def open(

@@ -32,22 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
 from amber_store.demo import GPTConfig, Trainer, corpus  # noqa: E402
+from amber_store.export import flat_tensors  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
 
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    for k, v in items:
-        if isinstance(v, torch.Tensor):
-            out[f"{prefix}{k}"] = v.detach().contiguous()
-        else:
-            out.update(flat_tensors(v, f"{prefix}{k}."))
-    return out
 
 
 class Method:
