@@ -22,11 +22,20 @@ from .errors import UnsupportedStateError
 
 FORMAT_NAME = "amber-store"
 # 1: full/xor/same encodings. 2 adds the lossy sparse and quant encodings and TensorEntry.params.
-FORMAT_VERSION = 2
+# 3: few objects per step: small tensors packed, one sharded object per large tensor, array
+# metadata consolidated into the step group, chunk offsets in the manifest.
+FORMAT_VERSION = 3
+# Manifests of these versions hold one zarr array (with its own zarr.json) per tensor.
+LEGACY_VERSIONS = (1, 2)
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
 STEPS_DIR = "steps"
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
+# Tensors smaller than this are packed together into one object per step.
+DEFAULT_PACK_THRESHOLD = 1 << 20
+PACK_PREFIX = "pack"
+# Shard index entry of an absent inner chunk (zarr v3 sharding spec).
+_ABSENT = (1 << 64) - 1
 
 Encoding = Literal["full", "xor", "sparse", "quant", "same"]
 
@@ -150,6 +159,26 @@ def region_chunks(
         yield flat, idx, local
 
 
+def chunk_runs(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Flat C-order element range ``[start, stop)`` of each chunk, chunks in C order.
+
+    Chunks of this format keep trailing dimensions whole and split one dimension (dimensions
+    before it have chunk size 1), so every chunk is one contiguous run of the tensor.
+    """
+    if not shape:
+        return [(0, 1)]
+    split = max((d for d, (s, c) in enumerate(zip(shape, chunks)) if c != s), default=0)
+    if any(c != 1 for c in chunks[:split]):
+        raise ValueError(f"chunks {chunks} of shape {shape} are not contiguous runs")
+    outer, n, c, inner = math.prod(shape[:split]), shape[split], chunks[split], math.prod(shape[split + 1:])
+    runs = []
+    for o in range(outer):
+        for j in range(0, n, c):
+            start = (o * n + j) * inner
+            runs.append((start, start + min(c, n - j) * inner))
+    return runs
+
+
 def whole(shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(0, s) for s in shape)
 
@@ -163,31 +192,72 @@ def region_crcs(
         yield flat, idx, crc32c.crc32c(np.ascontiguousarray(data[local]).data)
 
 
-# --- zarr array metadata ------------------------------------------------------------------
+# --- zarr metadata -----------------------------------------------------------------------
 
-def array_metadata(
-    name: str,
+def array_name(key: str) -> str:
+    """The node name of a tensor's array inside its step group: the whole key, '/' escaped
+    too, so a step group is flat (no directory per nesting level); never a pack's name."""
+    name = "%2F".join(escape_segment(part) for part in key.split("/"))
+    return f"%70{name[1:]}" if name.startswith(PACK_PREFIX) else name
+
+
+def regular_chunk_grid(shape: list[int] | tuple[int, ...]) -> dict[str, Any]:
+    return {"name": "regular", "configuration": {"chunk_shape": list(shape)}}
+
+
+def sharded_array_metadata(
     shape: tuple[int, ...],
     chunks: tuple[int, ...],
-    codecs: list[dict[str, Any]],
+    data_type: str,
+    inner_codecs: list[dict[str, Any]],
     attributes: dict[str, Any],
-    data_type: str | None = None,
 ) -> dict[str, Any]:
-    """The zarr v3 ``zarr.json`` of one tensor array (written as is; no zarr defaults apply).
+    """zarr v3 metadata of an array stored as one shard object holding every inner chunk.
 
-    ``data_type`` defaults to the unsigned integer of the tensor's width (its raw bits).
+    The shard is the whole array (rounded up to whole inner chunks); its key is ``0.0...``
+    (v2 chunk key encoding), so the array is one file in one directory.
     """
+    grid = chunk_grid(shape, chunks)
     return {
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(shape),
-        "data_type": data_type or bits_numpy_dtype(name).name,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks) or []}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "data_type": data_type,
+        "chunk_grid": regular_chunk_grid([g * c for g, c in zip(grid, chunks)]),
+        "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}},
         "fill_value": 0,
-        "codecs": codecs,
+        "codecs": [{
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": list(chunks),
+                "codecs": inner_codecs,
+                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                "index_location": "end",
+            },
+        }],
         "attributes": {ROOT_ATTR: attributes},
     }
+
+
+def shard_key(array: str, ndim: int) -> str:
+    """Key of the one shard object of a sharded array of ``ndim`` dimensions."""
+    return f"{array}/{'.'.join(['0'] * ndim)}"
+
+
+def shard_index(index: list[list[int] | None]) -> bytes:
+    """The shard's trailing index: ``(offset, nbytes)`` little-endian u64 per inner chunk in C
+    order, ``2**64-1`` twice for an absent chunk, then its crc32c."""
+    flat = np.array([_ABSENT if e is None else v for e in index for v in (e or (0, 0))], dtype="<u8")
+    raw = flat.tobytes()
+    return raw + np.uint32(crc32c.crc32c(raw)).astype("<u4").tobytes()
+
+
+def step_group_metadata(step: int, created: float, arrays: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A step group's zarr.json: its attributes and the consolidated metadata of its arrays, so
+    no array needs a zarr.json of its own (``zarr.open_group(..., use_consolidated=True)``)."""
+    meta = group_metadata({ROOT_ATTR: {"step": step, "created": created}})
+    meta["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": arrays}
+    return meta
 
 
 # --- state-dict tree ----------------------------------------------------------------------
@@ -301,6 +371,16 @@ class TensorEntry:
     nbytes: int
     stored: int = 0
     params: dict[str, Any] | None = None
+    # version 3: where the stored chunks are. ``index``: ``[offset, nbytes]`` of each chunk in
+    # the shard object of ``array`` (``None``: not stored, all zero). ``pack``: ``[pack name,
+    # offset, nbytes]`` of the tensor's one chunk in the step's uncompressed pack stream.
+    index: list[list[int] | None] | None = None
+    pack: list[Any] | None = None
+
+    @property
+    def legacy(self) -> bool:
+        """Whether the data is a zarr array of its own (versions 1-2; ``same`` entries hold none)."""
+        return self.encoding != "same" and self.index is None and self.pack is None
 
 
 @dataclass
@@ -321,6 +401,16 @@ class Manifest:
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    # version 3: the step's packs (name -> ``{"array", "chunk", "nbytes", "index"}``: the pack
+    # array, its inner chunk bytes, stream length, and chunk index as in TensorEntry), and the steps of its
+    # segment since the last full step (position ``depth`` is this step), for base policies.
+    packs: dict[str, Any] = field(default_factory=dict)
+    segment: list[int] = field(default_factory=list)
+
+    @property
+    def legacy(self) -> bool:
+        """Whether this step's tensors are one zarr array each (format versions 1 and 2)."""
+        return self.format_version in LEGACY_VERSIONS
 
     @property
     def nbytes_raw(self) -> int:

@@ -16,9 +16,10 @@ import torch
 from zarr.core.sync import sync
 
 from .format import DTYPES, TensorEntry, numpy_to_tensor
+from .reader import ReadSession
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .reader import Reader
 
 _MAX_CONCURRENT_TENSORS = 16
 
@@ -32,8 +33,8 @@ class LazyTensor:
     that selection touches; ``lt.materialize(device)`` reads it all.
     """
 
-    def __init__(self, store: Store, step: int, key: str, entry: TensorEntry) -> None:
-        self._store = store
+    def __init__(self, reader: Reader, step: int, key: str, entry: TensorEntry) -> None:
+        self._reader = reader
         self.step = step
         self.key = key
         self._entry = entry
@@ -73,12 +74,12 @@ class LazyTensor:
         """Read a selection of ints, slices (positive step) and ``...``; returns a CPU tensor."""
         return sync(self._read(index))
 
-    async def _read(self, index: Index) -> torch.Tensor:
+    async def _read(self, index: Index, session: ReadSession | None = None) -> torch.Tensor:
         region, local = _plan(index, tuple(self._entry.shape), tuple(self._entry.chunks))
         if region is None:
             shape = torch.empty(self.shape, dtype=self.dtype, device="meta")[local].shape
             return torch.empty(shape, dtype=self.dtype)
-        bits = await self._store._read_bits(self.step, self.key, region)
+        bits = await self._reader.read(self.step, self.key, region, session=session)
         return numpy_to_tensor(bits, self._entry.dtype)[local]
 
 
@@ -174,10 +175,11 @@ def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
 
     async def read_all() -> list[torch.Tensor]:
         sem = asyncio.Semaphore(_MAX_CONCURRENT_TENSORS)
+        session = ReadSession()
 
         async def one(lt: LazyTensor) -> torch.Tensor:
             async with sem:
-                return await lt._read(Ellipsis)
+                return await lt._read(Ellipsis, session)
 
         return await asyncio.gather(*(one(lt) for lt in leaves))
 

@@ -1,49 +1,43 @@
-"""Device encoding and the writes behind it: state dict -> encoded host buffers -> zarr store.
+"""Encoding and the writes behind it: state dict -> encoded chunks -> a few objects per step.
 
-:func:`encode` runs on the tensor's own device with torch ops (the XOR delta, the "did anything
-change" test), and moves only the encoded bits to host. :class:`Writer` streams those buffers
-into zarr from a small thread pool while the caller encodes the next tensor, holding at most
-``max_inflight_bytes`` of encoded data so host memory stays bounded.
+A :class:`StepWriter` turns the tensors of one step into stored objects: tensors below the pack
+threshold go, whole, into one *pack* stream per step; every larger tensor becomes one *shard*
+object holding its chunks and an index (zarr v3 ``sharding_indexed``). Chunks are XORed against
+the base, checksummed and compressed on :func:`~amber_store.codecs.codec_pool`'s threads (all
+release the GIL), straight from the tensor's memory into reused buffers. Deltas of tensors on an
+accelerator are computed there with torch, so only the delta crosses to the host; lossy codecs
+run their torch ``diff`` on the tensor's device too. Objects are written on zarr's event loop
+while the next tensors encode, at most ``max_inflight_bytes`` of them at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import json
 import threading
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+import crc32c
 import numpy as np
 import torch
-from zarr.core.array import AsyncArray
-from zarr.core.buffer import Buffer, default_buffer_prototype
+from zarr.abc.store import Store as ZarrStore
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
-from zarr.storage import StorePath, WrapperStore
 
+from . import format as fmt
+from .codecs import DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, blosc_config, codec_pool, compress, inner_codecs
 from .errors import AsyncSaveError
-from .codecs import DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, storage_codecs
-from .format import (
-    TensorEntry,
-    array_metadata,
-    bits_to_numpy,
-    choose_chunks,
-    dtype_name,
-    region_crcs,
-    to_bits,
-    whole,
-)
+from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, to_bits
 
 
 @dataclass
 class Base:
     """The materialized value of one tensor, as host bits, and the entry that stores it.
 
-    ``entry`` is ``full`` or ``xor`` (never ``same``) and belongs to ``step``: a delta against
-    this base names the step whose array actually holds the data, so chains skip steps that
-    changed nothing (and deleting those steps breaks nothing).
+    ``entry`` is never ``same`` and belongs to ``step``: a delta against this base names the
+    step whose data actually holds it, so chains skip steps that changed nothing.
     """
 
     step: int
@@ -52,163 +46,350 @@ class Base:
 
 
 @dataclass
-class Encoded:
-    """One tensor ready to write: its manifest entry, the bits to store, and its new base."""
+class Written:
+    """What a step writer produced: manifest entries and packs, each tensor's new materialized
+    bits (the next base), the consolidated array metadata and every object key written."""
 
-    key: str
-    entry: TensorEntry
-    data: np.ndarray | None
-    value: torch.Tensor
-    metadata: dict[str, Any] | None
-
-
-def chunk_crcs(bits: torch.Tensor, chunks: tuple[int, ...]) -> list[int]:
-    """crc32c of each chunk of host ``bits`` (in-bounds part, C order, little-endian)."""
-    arr = bits_to_numpy(bits)
-    shape = tuple(arr.shape)
-    return [crc for _, _, crc in region_crcs(arr, whole(shape), shape, chunks)]
+    entries: dict[str, TensorEntry] = field(default_factory=dict)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    packs: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, dict[str, Any]] = field(default_factory=dict)
+    keys: list[str] = field(default_factory=list)
 
 
-def encode(
-    key: str,
-    tensor: torch.Tensor,
-    base: Base | None,
-    *,
-    step: int,
-    group: str,
-    chunk_bytes: int,
-    level: int,
-    chunks: tuple[int, ...] | None = None,
-    codec: DeltaCodec | None = None,
-) -> Encoded:
-    """Encode one tensor of step ``step`` against ``base`` (``None``: write it full) with
-    ``codec`` (default lossless XOR), on the tensor's device.
+_SCRATCH = threading.local()
 
-    A base whose shape or dtype differs is ignored: that tensor is written full, in ``chunks``
-    if given, else in chunks of about ``chunk_bytes``.
-    """
-    tensor = tensor.detach()
-    name = dtype_name(tensor.dtype)
-    shape = tuple(tensor.shape)
-    if base is not None and (base.entry.dtype != name or tuple(base.entry.shape) != shape):
-        base = None
-    array = f"{group}/{key}"
-    nbytes = tensor.numel() * tensor.element_size()
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread reusable byte buffer (chunks are encoded without fresh allocations)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def _padded(data: np.ndarray, length: int) -> np.ndarray:
+    """``data`` (flat) zero-padded to ``length`` elements: an edge chunk is stored whole."""
+    if data.size == length:
+        return data
+    out = np.zeros(length, dtype=data.dtype)
+    out[: data.size] = data
+    return out
+
+
+def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, new_base: np.ndarray, padded: int,
+                    level: int, typesize: int) -> tuple[bytes | None, int]:
+    """One chunk of a full or XOR step: (stored bytes, or ``None`` when all zero; crc32c of
+    the materialized bits). ``new_base`` receives the value."""
+    crc = crc32c.crc32c(value)
+    np.copyto(new_base, value)
     if base is None:
-        chunks = chunks or choose_chunks(shape, tensor.element_size(), chunk_bytes)
-        value = to_bits(tensor).to("cpu", copy=True)
-        entry = TensorEntry(name, list(shape), list(chunks), "full", None, array, chunk_crcs(value, chunks), nbytes)
-        codecs = storage_codecs(name, level, None)
-        attrs = {"dtype": name, "step": step, "encoding": "full"}
-        return Encoded(key, entry, bits_to_numpy(value), value, array_metadata(name, shape, chunks, codecs, attrs))
-
-    chunks = tuple(base.entry.chunks)
-    assert base.entry.array is not None, "a base entry must hold data (full or xor)"
-    codec = (codec or XorDeltaCodec()).with_base(base.step, base.entry.array)
-    delta = codec.diff(tensor, base.bits, chunks)
-    if delta is None:
-        entry = TensorEntry(name, list(shape), list(chunks), "same", base.step, None, base.entry.crc32c, nbytes)
-        return Encoded(key, entry, None, base.bits, None)
-    if isinstance(codec, QuantizedDeltaCodec) and delta.params is None:
-        codec = XorDeltaCodec(base.step, base.entry.array)  # fell back: the delta is an XOR
-    entry = TensorEntry(name, list(shape), list(chunks), codec.encoding, base.step, array,  # type: ignore[arg-type]
-                        chunk_crcs(delta.recon, chunks), nbytes, params=delta.params)
-    attrs = {"dtype": name, "step": step, "encoding": codec.encoding, "base_step": base.step}
-    meta = array_metadata(name, shape, chunks, storage_codecs(name, level, codec), attrs,
-                          data_type=codec.storage_dtype(name).name)
-    return Encoded(key, entry, delta.data, delta.recon, meta)
+        data = value
+    else:
+        data = _scratch(value.nbytes).view(value.dtype)
+        np.bitwise_xor(value, base, out=data)
+    if not data.any():
+        return None, crc
+    return compress(_padded(data, padded), typesize, level, True), crc
 
 
-# Bytes written per key, for the write in progress; set inside each write coroutine so every
-# task zarr spawns for it inherits the right ledger.
-_LEDGER: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("amber_ledger", default=None)
-
-
-class AccountingStore(WrapperStore[Any]):
-    """Passes everything through; records the size of each object written into the ledger."""
-
-    async def set(self, key: str, value: Buffer) -> None:
-        await self._store.set(key, value)
-        ledger = _LEDGER.get()
-        if ledger is not None:
-            ledger[key] = len(value)
-
-
-def json_buffer(obj: Any) -> Buffer:
-    return default_buffer_prototype().buffer.from_bytes(json.dumps(obj, indent=1).encode())
-
-
-async def write_encoded(store: AccountingStore, enc: Encoded) -> int:
-    """Write one encoded tensor (metadata, then chunks); returns the bytes stored."""
-    ledger: dict[str, int] = {}
-    _LEDGER.set(ledger)
-    assert enc.metadata is not None and enc.entry.array is not None
-    await store.set(f"{enc.entry.array}/zarr.json", json_buffer(enc.metadata))
-    arr = AsyncArray(enc.metadata, StorePath(store, enc.entry.array), config={"write_empty_chunks": False})
-    await arr.setitem(Ellipsis, enc.data)
-    return sum(ledger.values())
+def _delta_chunk(codec: DeltaCodec, data: np.ndarray, recon: np.ndarray, padded: int, level: int,
+                 typesize: int) -> tuple[bytes | None, int]:
+    """One chunk of a precomputed delta (device XOR or a lossy codec): stored bytes and the
+    crc32c of the reconstruction."""
+    crc = crc32c.crc32c(recon)
+    if not data.any():
+        return None, crc
+    return compress(codec.serialize(_padded(data, padded)), typesize, level, codec.shuffle), crc
 
 
 async def _running_loop() -> asyncio.AbstractEventLoop:
     return asyncio.get_running_loop()
 
 
-class Writer:
-    """Writes encoded tensors on zarr's event loop while the caller encodes the next ones.
+@dataclass
+class _Pending:
+    """A large tensor whose chunks are encoding."""
 
-    At most ``concurrency`` tensors and ``max_inflight_bytes`` of encoded data are in flight;
-    :meth:`submit` waits beyond that. Writes go straight to zarr's loop rather than through a
-    thread per write blocking in ``sync()``: on this 2-core machine those threads only
-    contended for the GIL (saves of many small tensors were 10-30% slower, noisily).
+    key: str
+    entry: TensorEntry
+    chunks: list[Future[tuple[bytes | None, int]]]
+    nbytes: int
+
+
+class StepWriter:
+    """Encodes and writes the tensors of one step into the attempt group ``group``.
+
+    ``add`` each tensor, then ``finish``; ``close`` always (it lets writes in flight settle).
+    ``recycle(key, like)`` may hand back a free host buffer for a tensor's new base bits.
     """
 
-    def __init__(self, store: AccountingStore, *, concurrency: int = 64, max_inflight_bytes: int = 1 << 30):
-        self._store = store
+    def __init__(self, zstore: ZarrStore, group: str, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+                 pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD, level: int = 1,
+                 pack_name: str = fmt.PACK_PREFIX, max_inflight_bytes: int = 1 << 30,
+                 recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None) -> None:
+        self._zstore = zstore
+        self._group = group
+        self._chunk_bytes = chunk_bytes
+        self._pack_threshold = pack_threshold
+        self._level = level
+        self._pack_name = pack_name
+        self._max_inflight = max_inflight_bytes
+        self._recycle = recycle or (lambda key, like: None)
         self._loop = sync(_running_loop())
-        self._concurrency = max(1, concurrency)
-        self._max = max_inflight_bytes
-        self._pending: dict[Future[int], tuple[Encoded, int]] = {}
+        self._pool = codec_pool()
+        self._out = Written()
+        self._packed: list[tuple[TensorEntry, Any]] = []
+        self._pack_len = 0
+        self._pack_widths: dict[int, int] = {}
+        self._encoding: deque[_Pending] = deque()
+        self._writes: dict[Future[None], int] = {}
         self._inflight = 0
-        self._done: list[Encoded] = []
-        self._failure: BaseException | None = None
 
-    def submit(self, enc: Encoded) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if enc.data is None:
-            self._done.append(enc)
+    # --- adding tensors -------------------------------------------------------------------
+
+    def add(self, key: str, tensor: torch.Tensor, base: Base | None, codec: DeltaCodec | None = None,
+            layout: TensorEntry | None = None) -> None:
+        """Encode ``tensor`` as ``key`` against ``base`` (``None``: full) with ``codec``
+        (default lossless XOR). A base of another shape or dtype, or a format-2 base, is
+        ignored: the tensor is then stored full. ``layout``: a format-3 entry whose chunking
+        and packing to keep (retention rewrites steps that later deltas build on)."""
+        tensor = tensor.detach()
+        name = dtype_name(tensor.dtype)
+        shape = tuple(tensor.shape)
+        if base is not None and (base.entry.dtype != name or tuple(base.entry.shape) != shape or base.entry.legacy):
+            base = None
+        layout = base.entry if base is not None else layout if layout is not None and not layout.legacy else None
+        nbytes = tensor.numel() * tensor.element_size()
+        packed = layout.pack is not None if layout is not None else (nbytes < self._pack_threshold or not shape)
+        if packed:
+            chunks = tuple(max(1, s) for s in shape)
+        elif layout is not None:
+            chunks = tuple(layout.chunks)
+        else:
+            chunks = fmt.choose_chunks(shape, tensor.element_size(), self._chunk_bytes)
+        codec = codec or XorDeltaCodec()
+        delta = None
+        if base is not None and (tensor.device.type != "cpu" or not isinstance(codec, XorDeltaCodec)):
+            codec = codec.with_base(base.step, "")
+            delta = codec.diff(tensor, base.bits, chunks)
+            if delta is None:
+                self._same(key, name, shape, chunks, base, nbytes)
+                return
+            if isinstance(codec, QuantizedDeltaCodec) and delta.params is None:
+                codec = XorDeltaCodec()  # non-finite values: the diff fell back to XOR
+        encoding = "full" if base is None else codec.encoding
+        array = None if packed else f"{self._group}/{fmt.array_name(key)}"
+        entry = TensorEntry(name, list(shape), list(chunks), encoding, None if base is None else base.step,  # type: ignore[arg-type]
+                            array, [], nbytes, params=None if delta is None else delta.params)
+        if delta is not None:
+            value, stored = delta.recon, delta.data
+        else:
+            host = to_bits(tensor).to("cpu")
+            value = self._recycle(key, host)
+            if value is None:
+                value = torch.empty_like(host)
+            stored = None
+        self._out.values[key] = value
+        if packed:
+            self._add_packed(key, entry, tensor if delta is None else None, value, stored, base, codec)
+        else:
+            self._add_sharded(key, entry, tensor if delta is None else None, value, stored, base, codec)
+
+    def _same(self, key: str, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], base: Base,
+              nbytes: int) -> None:
+        self._out.entries[key] = TensorEntry(name, list(shape), list(chunks), "same", base.step, None,
+                                             base.entry.crc32c, nbytes)
+        self._out.values[key] = base.bits
+
+    def _add_packed(self, key: str, entry: TensorEntry, tensor: torch.Tensor | None, value: torch.Tensor,
+                    stored: np.ndarray | None, base: Base | None, codec: DeltaCodec) -> None:
+        """A small tensor: its whole serialized delta (or value) joins the step's pack stream."""
+        if tensor is not None:  # lossless on the host: XOR here, copy into the new base
+            v = bits_to_numpy(to_bits(tensor).cpu()).reshape(-1)
+            new = bits_to_numpy(value).reshape(-1)
+            np.copyto(new, v)
+            entry.crc32c = [crc32c.crc32c(v)]
+            data = v if base is None else np.bitwise_xor(v, bits_to_numpy(base.bits).reshape(-1))
+            payload = data.view(np.uint8) if data.any() else None
+        else:
+            assert stored is not None
+            entry.crc32c = [crc32c.crc32c(bits_to_numpy(value).reshape(-1))]
+            flat = stored.reshape(-1)
+            payload = codec.serialize(flat) if flat.any() else None
+        if payload is None and base is not None:
+            self._same(key, entry.dtype, tuple(entry.shape), tuple(entry.chunks), base, entry.nbytes)
             return
-        size = enc.data.nbytes
-        while self._pending and (self._inflight + size > self._max or len(self._pending) >= self._concurrency):
-            self._reap()
-        fut = asyncio.run_coroutine_threadsafe(write_encoded(self._store, enc), self._loop)
-        self._pending[fut] = (enc, size)
-        self._inflight += size
+        length = len(memoryview(payload).cast("B")) if payload is not None else 0
+        entry.pack = [self._pack_name, self._pack_len, length]
+        if payload is not None:
+            self._packed.append((entry, payload))
+            self._pack_len += length
+            width = value.element_size()
+            self._pack_widths[width] = self._pack_widths.get(width, 0) + length
+        self._out.entries[key] = entry
 
-    def _reap(self) -> None:
-        done, _ = wait(list(self._pending), return_when=FIRST_COMPLETED)
-        for fut in done:
-            enc, size = self._pending.pop(fut)
-            self._inflight -= size
-            if fut.exception() is not None:
-                self._failure = self._failure or fut.exception()
-            else:
-                enc.entry.stored = fut.result()
-                self._done.append(enc)
+    def _add_sharded(self, key: str, entry: TensorEntry, tensor: torch.Tensor | None, value: torch.Tensor,
+                     stored: np.ndarray | None, base: Base | None, codec: DeltaCodec) -> None:
+        shape, chunks = tuple(entry.shape), tuple(entry.chunks)
+        runs = fmt.chunk_runs(shape, chunks)
+        padded = int(np.prod(chunks))
+        width = value.element_size()
+        new = bits_to_numpy(value).reshape(-1)
+        if tensor is not None:
+            src = bits_to_numpy(to_bits(tensor).cpu()).reshape(-1)
+            ref = None if base is None else bits_to_numpy(base.bits).reshape(-1)
+            jobs = [self._pool.submit(_lossless_chunk, src[a:b], None if ref is None else ref[a:b], new[a:b],
+                                      padded, self._level, width) for a, b in runs]
+        else:
+            assert stored is not None
+            data = stored.reshape(-1)
+            jobs = [self._pool.submit(_delta_chunk, codec, data[a:b], new[a:b], padded, self._level, width)
+                    for a, b in runs]
+        inner = inner_codecs(entry.dtype, self._level, None if base is None else codec.with_base(base.step, base.entry.array or ""))
+        data_type = bits_numpy_dtype(entry.dtype).name if not isinstance(codec, QuantizedDeltaCodec) or base is None else "int8"
+        attrs = {"dtype": entry.dtype, "encoding": entry.encoding, "base_step": entry.base}
+        self._out.arrays[fmt.array_name(key)] = fmt.sharded_array_metadata(shape, chunks, data_type, inner, attrs)
+        self._encoding.append(_Pending(key, entry, jobs, entry.nbytes))
+        self._inflight += entry.nbytes
+        self._drain(block=self._inflight > self._max_inflight)
 
-    def finish(self) -> list[Encoded]:
-        """Wait for every write; if any failed, raise the first failure once all settled
-        (so no write of this attempt is still running when the save reports its failure)."""
-        while self._pending:
-            self._reap()
-        if self._failure is not None:
-            raise self._failure
-        return self._done
+    # --- writing --------------------------------------------------------------------------
+
+    def _drain(self, block: bool) -> None:
+        """Write every tensor whose chunks are encoded (in order); with ``block``, wait until
+        the bytes in flight fit the bound."""
+        while self._encoding and (all(f.done() for f in self._encoding[0].chunks)
+                                  or (block and self._inflight > self._max_inflight)):
+            p = self._encoding.popleft()
+            results = [f.result() for f in p.chunks]
+            p.entry.crc32c = [crc for _, crc in results]
+            self._write_shard(p, [blob for blob, _ in results])
+        self._reap(block=block)
+
+    def _write_shard(self, p: _Pending, blobs: list[bytes | None]) -> None:
+        index: list[list[int] | None] = []
+        offset = 0
+        for blob in blobs:
+            index.append(None if blob is None else [offset, len(blob)])
+            offset += 0 if blob is None else len(blob)
+        if p.entry.base is not None and offset == 0:  # nothing changed after all
+            p.entry.encoding, p.entry.array, p.entry.params = "same", None, None
+            self._out.arrays.pop(fmt.array_name(p.key), None)
+            self._out.entries[p.key] = p.entry
+            self._inflight -= p.nbytes
+            return
+        p.entry.index = index
+        self._out.entries[p.key] = p.entry
+        if offset == 0:  # all-zero full tensor: no object at all (absent chunks read as zero)
+            self._inflight -= p.nbytes
+            return
+        payload = b"".join([b for b in blobs if b is not None] + [fmt.shard_index(index)])
+        p.entry.stored = len(payload)
+        assert p.entry.array is not None
+        self._put(fmt.shard_key(p.entry.array, len(p.entry.shape)), payload, p.nbytes)
+
+    def _put(self, key: str, payload: bytes, weight: int) -> None:
+        buf = default_buffer_prototype().buffer.from_bytes(payload)
+        fut = asyncio.run_coroutine_threadsafe(self._zstore.set(key, buf), self._loop)
+        self._writes[fut] = weight
+        self._out.keys.append(key)
+
+    def _reap(self, block: bool) -> None:
+        """Collect finished writes; with ``block``, wait while the bytes in flight exceed the
+        bound (``finish`` passes an infinite wait by draining everything first)."""
+        while self._writes:
+            done = {f for f in self._writes if f.done()}
+            if not done:
+                if not (block and self._inflight > self._max_inflight):
+                    return
+                done, _ = wait(list(self._writes), return_when=FIRST_COMPLETED)
+            for f in done:
+                self._inflight -= self._writes.pop(f)
+                f.result()
+
+    def _write_pack(self) -> None:
+        if not self._packed:
+            return
+        stream = b"".join(memoryview(payload).cast("B") for _, payload in self._packed)
+        typesize = max(self._pack_widths, key=self._pack_widths.__getitem__)
+        size = self._chunk_bytes
+        tail = -len(stream) % size  # the last inner chunk is stored whole, zero-padded
+        stream_padded = memoryview(stream + bytes(tail) if tail else stream)
+        jobs = [self._pool.submit(compress, stream_padded[a: a + size], typesize, self._level, True)
+                for a in range(0, len(stream), size)]
+        blobs = [j.result() for j in jobs]
+        index, offset = [], 0
+        for blob in blobs:
+            index.append([offset, len(blob)])
+            offset += len(blob)
+        payload = b"".join(blobs + [fmt.shard_index(index)])
+        name = self._pack_name
+        array = f"{self._group}/{name}"
+        self._out.packs[name] = {"array": array, "chunk": size, "nbytes": len(stream), "index": index}
+        inner = [{"name": "bytes", "configuration": {}}, blosc_config(typesize, self._level, True), {"name": "crc32c"}]
+        self._out.arrays[name] = fmt.sharded_array_metadata((len(stream),), (size,), "uint8", inner,
+                                                            {"pack": True})
+        # Each packed tensor is charged its share of the compressed pack.
+        for entry, _ in self._packed:
+            entry.stored = len(payload) * entry.pack[2] // max(1, len(stream))  # type: ignore[index]
+        self._put(fmt.shard_key(array, 1), payload, len(stream))
+
+    def finish(self) -> Written:
+        """Write what is left and wait for every write."""
+        self._max_inflight = 0
+        self._drain(block=True)
+        self._write_pack()
+        self._reap(block=True)
+        return self._out
 
     def close(self) -> None:
-        """Let writes still in flight settle (after an error elsewhere in the save)."""
-        wait(list(self._pending))
-        self._pending.clear()
+        """Let chunk jobs and writes still in flight settle (after an error elsewhere)."""
+        wait([f for p in self._encoding for f in p.chunks] + list(self._writes))
+        self._encoding.clear()
+        self._writes.clear()
+
+
+class BaseCache:
+    """Materialized host bits of the steps later saves may diff against, so a delta needs no
+    read; buffers of steps that can no longer be a base are recycled for the next save."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, dict[str, torch.Tensor]] = {}
+        self._free: dict[str, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, step: int, key: str) -> torch.Tensor | None:
+        with self._lock:
+            return self._steps.get(step, {}).get(key)
+
+    def put(self, step: int, values: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._steps[step] = values
+
+    def keep(self, steps: set[int]) -> None:
+        """Forget every other step; recycle the buffers no kept step shares."""
+        with self._lock:
+            live = {id(t) for s in steps for t in self._steps.get(s, {}).values()}
+            for step in [s for s in self._steps if s not in steps]:
+                for key, t in self._steps.pop(step).items():
+                    if id(t) not in live:
+                        live.add(id(t))
+                        self._free.setdefault(key, []).append(t)
+
+    def recycle(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
+        """A free host buffer of ``like``'s shape and dtype for ``key``'s new bits, if any."""
+        with self._lock:
+            free = self._free.get(key, [])
+            for i, t in enumerate(free):
+                if t.shape == like.shape and t.dtype == like.dtype:
+                    return free.pop(i)
+        return None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._steps.clear()
+            self._free.clear()
 
 
 class Snapshots:

@@ -26,19 +26,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+import torch
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from . import format as fmt
 from .format import Manifest
-from .pipeline import Writer, encode
-from .uri import put_atomic
+from .history import History
 
 if TYPE_CHECKING:
     from .store import Store
 
-PINS_DIR = "pins"
-_PIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _GROUP = re.compile(r"(\d{12})-[0-9a-f]+")
 
 
@@ -71,16 +69,10 @@ def select(steps: list[int], keep_last: int | None, keep_every: int | None, pinn
     return sorted(keep & set(steps))
 
 
-def pin_key(name: str) -> str:
-    if not _PIN_NAME.fullmatch(name):
-        raise ValueError(f"pin name {name!r}: use letters, digits, '_', '.', '-' (at most 128)")
-    return f"{PINS_DIR}/{name}.json"
-
-
-async def _needs_fold(store: Store, step: int, deleted: set[int]) -> bool:
-    m = await store._manifest(step)
+async def _needs_fold(history: History, step: int, deleted: set[int]) -> bool:
+    m = await history.manifest(step)
     for key in m.tensors:
-        if deleted & set(await store._dependencies(step, key)):
+        if deleted & set(await history.dependencies(step, key)):
             return True
     return False
 
@@ -88,23 +80,24 @@ async def _needs_fold(store: Store, step: int, deleted: set[int]) -> bool:
 def gc(store: Store, keep_last: int | None, keep_every: int | None, *, dry_run: bool = False,
        grace_seconds: float = 3600.0) -> GCReport:
     t0 = time.perf_counter()
+    history = store.history
     steps = store.steps()
     keep = select(steps, keep_last, keep_every, store.pins().values())
     deleted = sorted(set(steps) - set(keep))
-    rewrite = [s for s in keep if sync(_needs_fold(store, s, set(deleted)))]
+    rewrite = [s for s in keep if sync(_needs_fold(history, s, set(deleted)))]
     report = GCReport(keep, deleted, rewrite, dry_run)
     if dry_run:
-        report.orphans = sync(_unreferenced(store, keep, steps, grace_seconds))
+        report.orphans = sync(_unreferenced(history, keep, steps, grace_seconds))
         report.seconds = time.perf_counter() - t0
         return report
 
     for step in rewrite:  # oldest first: a fold only ever diffs against already-safe steps
         report.bytes_written += _fold(store, step, [k for k in keep if k < step], set(deleted))
     for step in deleted:
-        sync(store._zstore.delete(fmt.commit_key(step)))
-    store._forget()
-    garbage = sync(_unreferenced(store, keep, steps, grace_seconds))
-    sync(_delete_all(store, garbage))
+        sync(history.uncommit(step))
+    history.forget()
+    garbage = sync(_unreferenced(history, keep, steps, grace_seconds))
+    sync(_delete_all(history, garbage))
     report.orphans = garbage
     report.objects_removed = len(garbage)
     report.seconds = time.perf_counter() - t0
@@ -116,79 +109,81 @@ def _fold(store: Store, step: int, earlier_kept: list[int], deleted: set[int]) -
 
     Each becomes ``same`` as the previous kept step if equal to it, a delta against it if that
     step lies within the chain the tensor had (so chains never grow longer than they were),
-    else full.
+    else full. Chunking and packing stay as they were: later steps' deltas build on them.
     """
+    history = store.history
     m = store.manifest(step)
-    deps = {k: sync(store._dependencies(step, k)) for k in m.tensors}
+    deps = {k: sync(history.dependencies(step, k)) for k in m.tensors}
     todo = [k for k in m.tensors if deleted & set(deps[k])]
     base_m = store.manifest(earlier_kept[-1]) if earlier_kept else None
-    attempt = uuid.uuid4().hex[:8]
-    group = fmt.step_group(step, attempt)
-    entries = dict(m.tensors)
-    writer = Writer(store._zstore)
+    group = fmt.step_group(step, uuid.uuid4().hex[:8])
+    writer = store.step_writer(group)
     try:
-        sync(store._write_groups(group, step, todo))
         for key in todo:
-            old = m.tensors[key]
-            value = store._materialized(step, key)
-            ref = store._base_for(base_m, key) if base_m is not None else None
-            options = dict(step=step, group=group, chunk_bytes=store.chunk_bytes, level=store.compression_level,
-                           chunks=tuple(old.chunks))
-            enc = encode(key, value, ref, **options)
-            if enc.entry.encoding == "xor" and ref is not None and ref.step < deps[key][0]:
-                enc = encode(key, value, None, **options)  # unchanged is free; a long new chain is not
-            writer.submit(enc)
-        done = writer.finish()
+            value = store.materialized(step, key)
+            ref = store.base_for(base_m, key) if base_m is not None else None
+            if ref is not None and ref.step < deps[key][0] and not torch.equal(fmt.to_bits(value), ref.bits):
+                ref = None  # unchanged is free; a long new chain is not
+            found = sync(history.holder(step, key))
+            writer.add(key, value, ref, layout=None if found is None else found[1])
+        written = writer.finish()
     finally:
         writer.close()
-    for enc in done:
-        entries[enc.key] = enc.entry
+    created = sync(store.seal(group, step, written))
+    for e in written.entries.values():  # the fold's pack sits beside the step's own
+        if e.pack is not None:
+            e.pack = [f"{e.pack[0]}@{group}", *e.pack[1:]]
+    entries = {**m.tensors, **written.entries}
+    packs = {**m.packs, **{f"{n}@{group}": p for n, p in written.packs.items()}}
+    packs = {n: p for n, p in packs.items() if any(e.pack and e.pack[0] == n for e in entries.values())}
     kind = "full" if all(e.encoding == "full" for e in entries.values()) else "delta"
     bases = [e.base for e in entries.values() if e.base is not None]
-    new_base = max(bases) if bases else None
-    depth = 0 if new_base is None else store.manifest(new_base).depth + 1
-    folded = Manifest(**{**dataclasses.asdict(m), "tensors": entries, "kind": kind, "base": new_base, "depth": depth,
-                         "extra": {**m.extra, "folded": {"group": group, "at": time.time(), "from": sorted(deleted)}}})
-    sync(put_atomic(store._loc, fmt.commit_key(step), folded.to_json()))
-    store._forget()
-    return sum(enc.entry.stored for enc in done)
+    folded = dataclasses.replace(
+        m, tensors=entries, packs=packs, kind=kind, base=max(bases) if bases else None,
+        format_version=fmt.FORMAT_VERSION,
+        extra={**m.extra, "folded": {"group": group, "at": created, "from": sorted(deleted)}})
+    sync(history.replace(folded))
+    return sum(e.stored for e in written.entries.values())
 
 
 def _referenced(manifests: list[Manifest]) -> tuple[set[str], set[str]]:
-    """Arrays the manifests point at, and every directory above them."""
+    """Arrays (and packs) the manifests point at, and every directory above them."""
     arrays = {e.array for m in manifests for e in m.tensors.values() if e.array}
+    arrays |= {p["array"] for m in manifests for p in m.packs.values()}
+    groups = {m.group for m in manifests} | {m.extra["folded"]["group"] for m in manifests if "folded" in m.extra}
+    groups |= {a.rsplit("/", 1)[0] for a in arrays}
     dirs: set[str] = set()
-    for a in arrays | {m.group for m in manifests}:
+    for a in arrays | groups:
         parts = a.split("/")
         dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
     return arrays, dirs
 
 
-async def _maybe_in_progress(store: Store, group: str, grace_seconds: float) -> bool:
+async def _maybe_in_progress(history: History, group: str, grace_seconds: float) -> bool:
     """A group of a step newer than the latest commit is spared while it is young: a save may
     be writing it right now. Its creation time is in its zarr.json."""
-    raw = await store._zstore.get(f"{group}/zarr.json", default_buffer_prototype())
+    raw = await history.zstore.get(f"{group}/zarr.json", default_buffer_prototype())
     if raw is None:
         return True
     created = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR, {}).get("created")
     return not isinstance(created, (int, float)) or time.time() - created < grace_seconds
 
 
-async def _unreferenced(store: Store, keep: list[int], all_steps: list[int], grace_seconds: float) -> list[str]:
+async def _unreferenced(history: History, keep: list[int], all_steps: list[int], grace_seconds: float) -> list[str]:
     """Keys under ``steps/`` that the kept steps do not read (dry runs: as if gc had run)."""
-    manifests = [await store._manifest(s) for s in keep]
+    manifests = [await history.manifest(s) for s in keep]
     arrays, dirs = _referenced(manifests)
     latest = all_steps[-1] if all_steps else -1
     spared: dict[str, bool] = {}
     garbage = []
-    async for key in store._zstore.list_prefix(f"{fmt.STEPS_DIR}/"):
+    async for key in history.zstore.list_prefix(f"{fmt.STEPS_DIR}/"):
         group = key.split("/")[1] if key.count("/") >= 1 else ""
         m = _GROUP.fullmatch(group)
         if m is None:
             continue  # not ours
         if int(m.group(1)) > latest:
             if group not in spared:
-                spared[group] = await _maybe_in_progress(store, f"{fmt.STEPS_DIR}/{group}", grace_seconds)
+                spared[group] = await _maybe_in_progress(history, f"{fmt.STEPS_DIR}/{group}", grace_seconds)
             if spared[group]:
                 continue
         if key.endswith("/zarr.json") and key[: -len("/zarr.json")] in dirs:
@@ -200,7 +195,10 @@ async def _unreferenced(store: Store, keep: list[int], all_steps: list[int], gra
 
 
 def _is_chunk_of(key: str, arrays: set[str]) -> bool:
-    """Whether ``key`` is a chunk (``<array>/c/...``, or ``<array>/c`` for 0-d) of one of ``arrays``."""
+    """Whether ``key`` is data of one of ``arrays``: its shard (``<array>/0.0``, format 3) or a
+    chunk (``<array>/c/...``, or ``<array>/c`` for 0-d; formats 1-2)."""
+    if key.rsplit("/", 1)[0] in arrays:
+        return True
     i = key.find("/c")
     while i >= 0:
         rest = key[i + 2:]
@@ -210,11 +208,11 @@ def _is_chunk_of(key: str, arrays: set[str]) -> bool:
     return False
 
 
-async def _delete_all(store: Store, keys: list[str]) -> None:
+async def _delete_all(history: History, keys: list[str]) -> None:
     sem = asyncio.Semaphore(32)
 
     async def one(k: str) -> None:
         async with sem:
-            await store._zstore.delete(k)
+            await history.zstore.delete(k)
 
     await asyncio.gather(*(one(k) for k in keys))

@@ -140,6 +140,32 @@ async def put_atomic(loc: Location, key: str, data: bytes) -> None:
         await loc.store.set(key, default_buffer_prototype().buffer.from_bytes(data))
 
 
+async def make_durable(loc: Location, keys: list[str]) -> None:
+    """Flush the objects at ``keys`` (and the directories naming them) to stable storage, so a
+    commit written afterwards never points at data a power loss could take. Object stores
+    acknowledge a PUT only once it is durable; local files need an fsync each."""
+    if loc.scheme == "file":
+        await asyncio.to_thread(_fsync_all, Path(loc.path), keys)
+
+
+def _fsync_all(root: Path, keys: list[str]) -> None:
+    dirs: set[Path] = set()
+    for key in keys:
+        path = root / key
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dirs.update(p for p in path.parents if p == root or root in p.parents)
+    for d in dirs:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _write_aside(path: Path, data: bytes) -> Path:
     """A fully written, fsynced temporary file next to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)

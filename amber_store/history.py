@@ -1,0 +1,235 @@
+"""The history of a store: committed steps, their manifests, the chains between them, commits.
+
+Everything that reads or writes steps goes through :class:`History`: the writer (bases and the
+commit), the reader (chains), retention (dependencies, manifest replacement, uncommits), export
+and the DCP adapters. It holds no tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from typing import Any, Callable
+
+from zarr.abc.store import Store as ZarrStore
+from zarr.core.buffer import Buffer, default_buffer_prototype
+
+from . import format as fmt
+from .errors import ConcurrentWriterError, FormatVersionError, NotAnAmberStoreError, StepNotFoundError
+from .format import Manifest, TensorEntry
+from .uri import Location, put_atomic, put_if_absent
+
+PINS_DIR = "pins"
+
+# Which earlier position of a segment (0: the full step) a step at position p diffs against.
+PARENTS: dict[str, Callable[[int], int]] = {
+    "chain": lambda p: p - 1,
+    "full": lambda p: 0,
+    # Skip-list bases: clear the lowest set bit. A read walks popcount(p) + 1 arrays, at most
+    # log2(full_every) + 1; a delta spans at most half the segment.
+    "log": lambda p: p & (p - 1),
+}
+
+
+def json_buffer(obj: Any) -> Buffer:
+    return default_buffer_prototype().buffer.from_bytes(json.dumps(obj, separators=(",", ":")).encode())
+
+
+class History:
+    """Committed steps of one store, read through a manifest cache.
+
+    Concurrent requests for one manifest share a single read and parse.
+    """
+
+    def __init__(self, loc: Location, zstore: ZarrStore) -> None:
+        self.loc = loc
+        self.zstore = zstore
+        self.writer_id = uuid.uuid4().hex[:12]
+        self.last_commit: int | None = None
+        self._manifests: dict[int, asyncio.Future[Manifest]] = {}
+
+    @property
+    def uri(self) -> str:
+        return self.loc.uri
+
+    # --- root -----------------------------------------------------------------------------
+
+    async def root_version(self) -> int | None:
+        """The root's format version, ``None`` for an empty location; refuses foreign data."""
+        raw = await self.zstore.get("zarr.json", default_buffer_prototype())
+        if raw is None:
+            return None
+        attrs = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR)
+        if not isinstance(attrs, dict) or attrs.get("format") != fmt.FORMAT_NAME:
+            raise NotAnAmberStoreError(f"{self.uri}: holds a zarr hierarchy that is not an amber-store")
+        version = attrs.get("format_version")
+        self.check_version(version)
+        return int(version)
+
+    async def write_root(self) -> None:
+        """The root group (format version: this code's) and the ``steps`` group below it, so
+        stock zarr can walk from the root to every step."""
+        root = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION}
+        await self.zstore.set("zarr.json", json_buffer(fmt.group_metadata({fmt.ROOT_ATTR: root})))
+        await self.zstore.set(f"{fmt.STEPS_DIR}/zarr.json", json_buffer(fmt.group_metadata()))
+
+    def check_version(self, version: Any) -> None:
+        if not isinstance(version, int) or version > fmt.FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{self.uri}: written with format version {version}; this amber-store reads "
+                f"up to {fmt.FORMAT_VERSION}; upgrade amber-store"
+            )
+
+    # --- steps and manifests ------------------------------------------------------------
+
+    async def steps(self) -> list[int]:
+        names = [n async for n in self.zstore.list_dir(fmt.COMMITS_DIR)]
+        return sorted(s for s in map(fmt.parse_commit_key, names) if s is not None)
+
+    async def manifest(self, step: int) -> Manifest:
+        fut = self._manifests.get(step)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = asyncio.ensure_future(self._read_manifest(step))
+            self._manifests[step] = fut
+        try:
+            return await asyncio.shield(fut)
+        except StepNotFoundError:
+            self._manifests.pop(step, None)
+            raise
+
+    async def _read_manifest(self, step: int) -> Manifest:
+        raw = await self.zstore.get(fmt.commit_key(step), default_buffer_prototype())
+        if raw is None:
+            known = await self.steps()
+            hint = f"committed steps: {known[:5]}{'...' if len(known) > 5 else ''}" if known else "the store is empty"
+            raise StepNotFoundError(f"{self.uri}: step {step} is not committed ({hint})")
+        m = Manifest.from_json(raw.to_bytes())
+        self.check_version(m.format_version)
+        return m
+
+    def remember(self, manifest: Manifest) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(manifest)
+        self._manifests[manifest.step] = fut
+
+    def forget(self) -> None:
+        """Drop cached manifests (after retention rewrote or removed some)."""
+        self._manifests.clear()
+
+    async def holder(self, step: int, key: str) -> tuple[int, TensorEntry] | None:
+        """The step whose data holds ``key``'s value at ``step`` (``same`` resolved), and its
+        entry; ``None`` if the step has no such tensor."""
+        e = (await self.manifest(step)).tensors.get(key)
+        if e is None:
+            return None
+        if e.encoding == "same":
+            assert e.base is not None
+            return e.base, (await self.manifest(e.base)).tensors[key]
+        return step, e
+
+    async def chain(self, step: int, key: str) -> list[tuple[int, TensorEntry]]:
+        """The layers that materialize ``key`` at ``step``, oldest (full) first; ``same``
+        entries are skipped (they store nothing)."""
+        layers: list[tuple[int, TensorEntry]] = []
+        e = (await self.manifest(step)).tensors[key]
+        while True:
+            if e.encoding != "same":
+                layers.append((step, e))
+            if e.encoding == "full" or e.base is None:
+                return layers[::-1]
+            step = e.base
+            e = (await self.manifest(step)).tensors[key]
+
+    async def dependencies(self, step: int, key: str) -> list[int]:
+        """Steps whose data is read to materialize ``key`` at ``step``, oldest first."""
+        return [s for s, _ in await self.chain(step, key)]
+
+    async def base_step(self, prev: Manifest | None, policy: str, full_every: int, full: bool | None) -> int | None:
+        """The step the next save diffs against (``None``: a full step), given the latest.
+
+        ``prev.segment`` lists the steps at positions ``0..prev.depth`` of its segment; the next
+        step takes position ``depth + 1`` and diffs against the step at its policy's parent
+        position, or, if retention deleted that one, the closest kept step before it.
+        """
+        if prev is None or full is True or prev.legacy or len(prev.segment) != prev.depth + 1:
+            return None
+        position = prev.depth + 1
+        if full is None and position >= full_every:
+            return None
+        committed = set(await self.steps())
+        candidates = [s for s in prev.segment[: PARENTS[policy](position) + 1] if s in committed]
+        return candidates[-1] if candidates else None
+
+    # --- commits ------------------------------------------------------------------------
+
+    async def commit(self, manifest: Manifest, latest: int | None) -> None:
+        """Create the manifest exclusively: the commit point. ``latest`` is the newest step the
+        writer saw when it began; a newer one now means another writer interleaved."""
+        if (now := (await self.steps() or [None])[-1]) != latest:
+            raise ConcurrentWriterError(
+                f"{self.uri}: step {now} was committed by another writer while step "
+                f"{manifest.step} was being saved; this save was not committed"
+            )
+        key = fmt.commit_key(manifest.step)
+        if not await put_if_absent(self.loc, key, manifest.to_json()) and not await self._is_ours(key, manifest):
+            raise ConcurrentWriterError(
+                f"{self.uri}: another writer committed step {manifest.step} first; this save "
+                f"(attempt {manifest.attempt}) was not committed and its data is orphaned"
+            )
+        self.remember(manifest)
+        self.last_commit = manifest.step
+
+    async def _is_ours(self, key: str, manifest: Manifest) -> bool:
+        """Whether an existing commit object is this very attempt (a retried request that had
+        in fact succeeded before its connection failed)."""
+        raw = await self.zstore.get(key, default_buffer_prototype())
+        return raw is not None and Manifest.from_json(raw.to_bytes()).attempt == manifest.attempt
+
+    async def check_sole_writer(self, latest: int | None) -> None:
+        """Refuse to save once another writer has committed after this one.
+
+        A writer that has not committed yet may continue any run (a resumed job); once it has,
+        the newest step must stay its own, or two jobs are interleaving one history.
+        """
+        if self.last_commit is not None and latest != self.last_commit:
+            other = (await self.manifest(latest)).writer if latest is not None else "?"
+            raise ConcurrentWriterError(
+                f"{self.uri}: step {latest} was committed by another writer ({other}) after this "
+                f"writer's ({self.writer_id}) step {self.last_commit}; two jobs are writing one store"
+            )
+
+    async def replace(self, manifest: Manifest) -> None:
+        """Atomically replace a committed step's manifest (retention's fold)."""
+        await put_atomic(self.loc, fmt.commit_key(manifest.step), manifest.to_json())
+        self.remember(manifest)
+
+    async def uncommit(self, step: int) -> None:
+        await self.zstore.delete(fmt.commit_key(step))
+        self._manifests.pop(step, None)
+
+    # --- pins ---------------------------------------------------------------------------
+
+    async def pins(self) -> dict[str, int]:
+        out = {}
+        async for name in self.zstore.list_dir(PINS_DIR):
+            if name.endswith(".json"):
+                raw = await self.zstore.get(f"{PINS_DIR}/{name}", default_buffer_prototype())
+                if raw is not None:
+                    out[name[: -len(".json")]] = int(json.loads(raw.to_bytes())["step"])
+        return out
+
+    async def pin(self, step: int, name: str) -> None:
+        await self.manifest(step)
+        await put_atomic(self.loc, pin_key(name), json.dumps({"step": step}).encode())
+
+    async def unpin(self, name: str) -> None:
+        await self.zstore.delete(pin_key(name))
+
+
+def pin_key(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,128}", name):
+        raise ValueError(f"pin name {name!r}: use letters, digits, '_', '.', '-' (at most 128)")
+    return f"{PINS_DIR}/{name}.json"
+

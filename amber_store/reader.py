@@ -1,0 +1,231 @@
+"""Materializing tensors of committed steps: every layer of a chunk decoded in one task.
+
+For one chunk of one tensor the reader fetches that chunk from each step of the tensor's chain
+(the full step and its deltas, :meth:`History.chain`), then, on a codec thread, decompresses the
+oldest layer straight into the output and applies each delta onto it, and checks the result
+against the manifest's crc32c. A lazy read of a slice range-reads only the chunks it touches; a
+whole-step read (:class:`ReadSession`) fetches each object once and each pack once.
+
+Steps of format versions 1 and 2 (one zarr array per tensor) are read by
+:mod:`amber_store.legacy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import crc32c
+import numpy as np
+from zarr.abc.store import RangeByteRequest
+from zarr.core.buffer import default_buffer_prototype
+
+from . import format as fmt
+from . import legacy
+from .codecs import DELTA_ENCODINGS, codec_pool, decompress
+from .errors import CorruptDataError
+from .format import Manifest, TensorEntry, bits_numpy_dtype
+from .history import History
+
+# Chunks below this are decoded on the event loop: a thread hop costs more than the work.
+_INLINE_BYTES = 64 << 10
+
+
+class ReadSession:
+    """Shared state of one multi-tensor read: whole objects instead of ranges, and each
+    step's pack stream fetched and decompressed once."""
+
+    def __init__(self) -> None:
+        self.packs: dict[tuple[int, str], asyncio.Future[np.ndarray]] = {}
+
+
+class Reader:
+    """Reads materialized raw bits of tensors of committed steps."""
+
+    def __init__(self, history: History, *, verify: bool = True) -> None:
+        self.history = history
+        self.verify = verify
+        self._legacy = legacy.LegacyReader(history)
+
+    @property
+    def _zstore(self) -> Any:
+        return self.history.zstore
+
+    def _corrupt(self, step: int, key: str, what: str, chunk: tuple[int, ...] | None = None) -> CorruptDataError:
+        where = f"step {step}, tensor {key!r}" + ("" if chunk is None else f", chunk {chunk}")
+        return CorruptDataError(f"{self.history.uri}: {where}: {what}", step=step, tensor=key, chunk=chunk)
+
+    async def read(self, step: int, key: str, region: tuple[slice, ...] | None = None, *,
+                   session: ReadSession | None = None, check: bool | None = None) -> np.ndarray:
+        """Raw bits of ``key`` at ``step`` over a chunk-aligned ``region`` (``None``: all)."""
+        m = await self.history.manifest(step)
+        e = m.tensors[key]
+        shape, chunks = tuple(e.shape), tuple(e.chunks)
+        region = fmt.whole(shape) if region is None else region
+        check = self.verify if check is None else check
+        if m.legacy:
+            return await self._legacy.read(step, key, region, check)
+        layers = await self.history.chain(step, key)
+        dtype = bits_numpy_dtype(e.dtype)
+        out = np.empty(tuple(r.stop - r.start for r in region), dtype=dtype)
+        if out.size == 0:
+            return out
+        if layers[-1][1].pack is not None:
+            payloads = [await self._pack_payload(s, le, key, session) for s, le in layers]
+            await self._decode(step, key, e, layers, payloads, out.reshape(-1), (0,) * len(shape), 0, check)
+            return out
+        whole = session is not None and region == fmt.whole(shape)
+        objects = await asyncio.gather(*(self._shard(s, le, key) for s, le in layers)) if whole else None
+        jobs = []
+        for flat, idx, local in fmt.region_chunks(region, shape, chunks):
+            jobs.append(self._chunk(step, key, e, layers, objects, flat, idx, out[local], check))
+        await _gather(jobs)
+        return out
+
+    async def _shard(self, step: int, entry: TensorEntry, key: str) -> Any:
+        """The whole shard object of a layer, or ``None`` if it stores no chunk."""
+        if entry.index is None or all(i is None for i in entry.index):
+            return None
+        assert entry.array is not None
+        raw = await self._zstore.get(fmt.shard_key(entry.array, len(entry.shape)), default_buffer_prototype())
+        if raw is None:
+            raise self._corrupt(step, key, f"object of array {entry.array} is missing")
+        return raw.as_numpy_array()
+
+    async def _chunk(self, step: int, key: str, e: TensorEntry, layers: list[tuple[int, TensorEntry]],
+                     objects: list[Any] | None, flat: int, idx: tuple[int, ...], target: np.ndarray,
+                     check: bool) -> None:
+        async def stored(i: int) -> Any:
+            s, le = layers[i]
+            assert le.index is not None
+            loc = le.index[flat]
+            if loc is None:
+                return None
+            if objects is not None:
+                return objects[i][loc[0]: loc[0] + loc[1]]
+            assert le.array is not None
+            raw = await self._zstore.get(fmt.shard_key(le.array, len(le.shape)), default_buffer_prototype(),
+                                         RangeByteRequest(loc[0], loc[0] + loc[1]))
+            if raw is None:
+                raise self._corrupt(s, key, f"object of array {le.array} is missing", idx)
+            return raw.as_numpy_array()
+
+        payloads = await asyncio.gather(*(stored(i) for i in range(len(layers))))
+        flat_target = target.reshape(-1) if target.flags.c_contiguous else None
+        if flat_target is not None:
+            await self._decode(step, key, e, layers, payloads, flat_target, idx, flat, check)
+        else:
+            tmp = np.empty(target.size, dtype=target.dtype)
+            await self._decode(step, key, e, layers, payloads, tmp, idx, flat, check)
+            target[...] = tmp.reshape(target.shape)
+
+    async def _decode(self, step: int, key: str, e: TensorEntry, layers: list[tuple[int, TensorEntry]],
+                      payloads: list[Any], out: np.ndarray, idx: tuple[int, ...], flat: int, check: bool) -> None:
+        args = (step, key, e, layers, payloads, out, idx, flat, check)
+        if out.nbytes < _INLINE_BYTES:
+            self._apply_layers(*args)
+        else:
+            await asyncio.get_running_loop().run_in_executor(codec_pool(), self._apply_layers, *args)
+
+    def _apply_layers(self, step: int, key: str, e: TensorEntry, layers: list[tuple[int, TensorEntry]],
+                      payloads: list[Any], out: np.ndarray, idx: tuple[int, ...], flat: int, check: bool) -> None:
+        """Decode the chunk ``flat`` (grid index ``idx``) of every layer into ``out`` (its
+        in-bounds elements, flat), oldest first, then check the materialized crc32c."""
+        shape, chunks = tuple(e.shape), tuple(e.chunks)
+        packed = layers[-1][1].pack is not None
+        padded = out.size if packed else int(np.prod(chunks))
+        region = fmt.whole(shape) if packed else fmt.chunk_slices(idx, shape, chunks)
+        rshape = tuple(r.stop - r.start for r in region)
+        for (s, le), payload in zip(layers, payloads):
+            if le.encoding == "full":
+                if payload is None:
+                    out[...] = 0
+                elif packed:
+                    out[...] = payload.view(out.dtype)
+                elif padded == out.size:
+                    self._decompress(payload, out, s, key, idx)
+                else:  # an edge chunk is stored padded to the whole chunk
+                    out[...] = self._decompress(payload, None, s, key, idx).view(out.dtype)[: out.size]
+                continue
+            if payload is None:
+                continue  # an unchanged chunk: the delta is zero
+            codec = DELTA_ENCODINGS[le.encoding].for_entry(le)
+            raw = payload if packed else self._decompress(payload, None, s, key, idx)
+            stored_dtype = np.dtype("int8") if le.encoding == "quant" else out.dtype
+            delta = codec.deserialize(raw, (padded,), stored_dtype)[: out.size]
+            codec.apply_into(out.reshape(rshape), delta.reshape(rshape), region, le)
+        if check and crc32c.crc32c(out) != e.crc32c[flat]:
+            raise self._corrupt(step, key, "checksum mismatch (materialized data differs from what was saved)", idx)
+
+    def _decompress(self, payload: Any, into: np.ndarray | None, step: int, key: str,
+                    idx: tuple[int, ...]) -> np.ndarray:
+        """Decompress one stored chunk (into ``into``, which must be its exact size, if given)."""
+        got = decompress(payload, None if into is None else into.view(np.uint8))
+        if got is None:
+            raise self._corrupt(step, key, "stored chunk failed its checksum or decoding", idx)
+        return got
+
+    # --- packs --------------------------------------------------------------------------
+
+    async def _pack_payload(self, step: int, entry: TensorEntry, key: str, session: ReadSession | None) -> Any:
+        """The uncompressed payload of a packed tensor's layer (``None``: nothing stored)."""
+        if entry.pack is None:
+            raise self._corrupt(step, key, "a packed tensor's chain holds an unpacked layer")
+        name, offset, length = entry.pack
+        if length == 0:
+            return None
+        m = await self.history.manifest(step)
+        info = m.packs.get(name)
+        if info is None:
+            raise self._corrupt(step, key, f"pack {name!r} is not in the manifest")
+        if session is not None:
+            fut = session.packs.get((step, name))
+            if fut is None:
+                fut = session.packs[(step, name)] = asyncio.ensure_future(self._pack_stream(m, name, key))
+            stream = await fut
+            return stream[offset: offset + length]
+        first, last = offset // info["chunk"], (offset + length - 1) // info["chunk"]
+        part = await self._pack_chunks(m, name, key, first, last + 1)
+        start = offset - first * info["chunk"]
+        return part[start: start + length]
+
+    async def _pack_stream(self, m: Manifest, name: str, key: str) -> np.ndarray:
+        return await self._pack_chunks(m, name, key, 0, len(m.packs[name]["index"]))
+
+    async def _pack_chunks(self, m: Manifest, name: str, key: str, first: int, stop: int) -> np.ndarray:
+        """Pack stream bytes of inner chunks ``first..stop-1`` (one ranged read)."""
+        info = m.packs[name]
+        index = info["index"][first:stop]
+        lo, hi = index[0][0], index[-1][0] + index[-1][1]
+        whole = first == 0 and stop == len(info["index"])
+        raw = await self._zstore.get(fmt.shard_key(info["array"], 1), default_buffer_prototype(),
+                                     None if whole else RangeByteRequest(lo, hi))
+        if raw is None:
+            raise self._corrupt(m.step, key, f"pack object {info['array']} is missing")
+        data = raw.as_numpy_array()
+        size = info["chunk"]
+        out = np.empty((stop - first) * size, dtype=np.uint8)
+
+        def one(i: int) -> None:
+            o, n = index[i]
+            o -= lo
+            target = out[i * size: (i + 1) * size]
+            if decompress(data[o: o + n], target) is None:
+                raise self._corrupt(m.step, key, f"pack {name!r} chunk {first + i} failed its checksum or decoding")
+
+        loop = asyncio.get_running_loop()
+        await _gather([loop.run_in_executor(codec_pool(), one, i) for i in range(len(index))])
+        return out
+
+
+async def _gather(aws: list[Any]) -> None:
+    """Await all; on the first failure cancel the rest and wait for them, then raise it, so no
+    read outlives the call that failed."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
