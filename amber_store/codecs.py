@@ -303,7 +303,7 @@ def dequantize(base: torch.Tensor, q: np.ndarray, region: tuple[slice, ...], dty
     function both the writer (for its next base) and every reader run, so they agree to the bit."""
     torch_dtype = DTYPES[dtype]
     ct = _compute_dtype(torch_dtype)
-    out = base.view(torch_dtype).to(ct)
+    out = base.view(torch_dtype).to(ct, copy=True)  # never write into the caller's base
     qt = torch.from_numpy(q if q.flags.c_contiguous else q.copy()).to(ct)  # (ascontiguousarray makes 0-d 1-d)
     for flat, _, local in region_chunks(region, shape, chunks):
         if scales[flat]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -48,7 +49,7 @@ from zarr.core.sync import sync
 from . import format as fmt
 from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError
 from .format import Manifest, TensorEntry
-from .pipeline import Base, Writer, encode
+from .pipeline import BaseCache, Written
 from .store import Store, open
 
 _METADATA = "dcp.metadata"
@@ -64,16 +65,16 @@ class _StepPlan:
     group: str
     attempt: str
     latest: int | None
+    segment: list[int]
 
 
 class _RankBases:
     """This process's materialized values of the items it wrote, per store URI, so the next save
-    diffs against memory, not storage. A save's values become the base only once its step is
+    diffs against memory, not storage. A save's values join the cache only once its step is
     seen committed (only the coordinator learns of the commit directly)."""
 
     def __init__(self) -> None:
-        self.step: int | None = None
-        self.values: dict[str, torch.Tensor] = {}
+        self.cache = BaseCache()
         self.pending: tuple[int, dict[str, torch.Tensor]] | None = None
 
 
@@ -136,11 +137,11 @@ class AmberStorageWriter(StorageWriter):
         if latest is not None and step <= latest:
             raise StepOrderError(f"{store.uri}: step {step} is not newer than the latest committed step {latest}")
         prev = store.manifest(latest) if latest is not None else None
-        base = store._choose_base(prev, self.full)
+        base = sync(store.history.base_step(prev, store.base_policy, store.full_every, self.full))
         attempt = uuid.uuid4().hex[:8]
-        decision = _StepPlan(step, None if base is None else base.step,
-                             0 if base is None or prev is None else prev.depth + 1,
-                             fmt.step_group(step, attempt), attempt, latest)
+        segment = [step] if base is None or prev is None else prev.segment + [step]
+        decision = _StepPlan(step, base, len(segment) - 1, fmt.step_group(step, attempt), attempt, latest, segment)
+        sync(store.open_group(decision.group, step))
         self._plan = decision  # finish() gets no plan: the coordinator remembers its decision
         return [dataclasses.replace(p, storage_data=decision) for p in plans]
 
@@ -150,24 +151,26 @@ class AmberStorageWriter(StorageWriter):
         bases = _bases(store.uri)
         base_m = store.manifest(decision.base) if decision.base is not None else None
         _promote(store, bases)
-        writer = Writer(store._zstore, concurrency=store._write_concurrency, max_inflight_bytes=store._max_inflight)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        writer = store.step_writer(decision.group, pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=bases.cache.recycle)
         keyed: dict[str, WriteItem] = {}
         try:
             for item in plan.items:
                 key = item_key(item.index, item.type)
                 keyed[key] = item
                 tensor = _item_tensor(planner.resolve_data(item))
-                ref = _base(store, bases, base_m, key)
+                ref = store.base_for(base_m, key, cache=bases.cache) if base_m is not None else None
                 codec = store.policy.for_tensor(key, fmt.dtype_name(tensor.dtype), tensor.numel())
-                writer.submit(encode(key, tensor, ref, step=decision.step, group=decision.group,
-                                     chunk_bytes=store.chunk_bytes, level=store.compression_level, codec=codec))
-            done = writer.finish()
+                writer.add(key, tensor, ref, codec)
+            written = writer.finish()
         finally:
             writer.close()
-        bases.pending = (decision.step, {enc.key: enc.value for enc in done})
-        results = [WriteResult(index=keyed[enc.key].index, size_in_bytes=enc.entry.nbytes,
-                               storage_data={"key": enc.key, "entry": dataclasses.asdict(enc.entry)})
-                   for enc in done]
+        bases.pending = (decision.step, written.values)
+        # The rank's packs, array metadata and object keys ride on its first result.
+        shared = {"packs": written.packs, "arrays": written.arrays, "keys": written.keys}
+        results = [WriteResult(index=keyed[key].index, size_in_bytes=e.nbytes,
+                               storage_data={"key": key, "entry": dataclasses.asdict(e), **(shared if i == 0 else {})})
+                   for i, (key, e) in enumerate(written.entries.items())]
         fut: Future[list[WriteResult]] = Future()  # DCP waits on torch futures
         fut.set_result(results)
         return fut
@@ -178,14 +181,20 @@ class AmberStorageWriter(StorageWriter):
         assert decision is not None, "finish() before prepare_global_plan()"
         entries: dict[str, TensorEntry] = {}
         index_to_key: dict[MetadataIndex, str] = {}
+        written = Written()
         for rank_results in results:
             for r in rank_results:
                 entries[r.storage_data["key"]] = TensorEntry(**r.storage_data["entry"])
                 index_to_key[r.index] = r.storage_data["key"]
+                written.packs.update(r.storage_data.get("packs", {}))
+                written.arrays.update(r.storage_data.get("arrays", {}))
+                written.keys.extend(r.storage_data.get("keys", []))
         metadata.storage_data = index_to_key
         blob = pickle.dumps(metadata)
         meta_key = f"{decision.group}/{_METADATA}"
-        sync(store._zstore.set(meta_key, default_buffer_prototype().buffer.from_bytes(blob)))
+        sync(store.history.zstore.set(meta_key, default_buffer_prototype().buffer.from_bytes(blob)))
+        written.keys.append(meta_key)
+        created = sync(store.seal(decision.group, decision.step, written))
         manifest = Manifest(
             step=decision.step,
             kind="full" if decision.base is None else "delta",
@@ -194,13 +203,15 @@ class AmberStorageWriter(StorageWriter):
             group=decision.group,
             tree={"dict": [[k, {"tensor": k}] for k in sorted(entries)]},
             tensors=dict(sorted(entries.items())),
-            created=time.time(),
+            created=created,
             seconds=0.0,
             attempt=decision.attempt,
-            writer=store._writer,
+            writer=store.history.writer_id,
             extra={"dcp": {"metadata": meta_key, "bytes": len(blob)}},
+            packs=written.packs,
+            segment=decision.segment,
         )
-        sync(store._commit(manifest, decision.latest))
+        sync(store.history.commit(manifest, decision.latest))
         self.last_commit = manifest
         _promote(store, _bases(store.uri))
 
@@ -227,17 +238,13 @@ def _item_tensor(data: Any) -> torch.Tensor:
 
 
 def _promote(store: Store, bases: _RankBases) -> None:
-    """Make the last save's values the base once its step is committed."""
+    """Cache the last save's values as a base once its step is committed."""
     if bases.pending is not None:
         step, values = bases.pending
         if step in store.steps():
-            bases.step, bases.values, bases.pending = step, values, None
-
-
-def _base(store: Store, bases: _RankBases, base_m: Manifest | None, key: str) -> Base | None:
-    if base_m is None:
-        return None
-    return store._base_for(base_m, key, cache=(bases.step, bases.values))
+            bases.cache.put(step, values)
+            bases.cache.keep(store.live_bases(store.manifest(step)))
+            bases.pending = None
 
 
 def _looks_like_uri(checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -276,7 +283,7 @@ class AmberStorageReader(StorageReader):
         dcp_info = manifest.extra.get("dcp")
         if not dcp_info:
             raise NotAnAmberStoreError(f"{store.uri}: step {step} was not written through torch.distributed.checkpoint")
-        raw = sync(store._zstore.get(dcp_info["metadata"], default_buffer_prototype()))
+        raw = sync(store.history.zstore.get(dcp_info["metadata"], default_buffer_prototype()))
         if raw is None:
             raise CorruptDataError(f"{store.uri}: step {step}: DCP metadata is missing", step=step, tensor=_METADATA)
         metadata: Metadata = pickle.loads(raw.to_bytes())

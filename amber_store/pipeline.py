@@ -297,7 +297,7 @@ class StepWriter:
 
     def _reap(self, block: bool) -> None:
         """Collect finished writes; with ``block``, wait while the bytes in flight exceed the
-        bound (``finish`` passes an infinite wait by draining everything first)."""
+        bound."""
         while self._writes:
             done = {f for f in self._writes if f.done()}
             if not done:
@@ -314,10 +314,11 @@ class StepWriter:
         stream = b"".join(memoryview(payload).cast("B") for _, payload in self._packed)
         typesize = max(self._pack_widths, key=self._pack_widths.__getitem__)
         size = self._chunk_bytes
-        tail = -len(stream) % size  # the last inner chunk is stored whole, zero-padded
-        stream_padded = memoryview(stream + bytes(tail) if tail else stream)
-        jobs = [self._pool.submit(compress, stream_padded[a: a + size], typesize, self._level, True)
-                for a in range(0, len(stream), size)]
+        view = memoryview(stream)
+        # The last inner chunk is stored whole, zero-padded, as zarr reads it.
+        parts = [view[a: a + size] if a + size <= len(stream) else bytes(view[a:]) + bytes(a + size - len(stream))
+                 for a in range(0, len(stream), size)]
+        jobs = [self._pool.submit(compress, part, typesize, self._level, True) for part in parts]
         blobs = [j.result() for j in jobs]
         index, offset = [], 0
         for blob in blobs:
@@ -333,14 +334,16 @@ class StepWriter:
         # Each packed tensor is charged its share of the compressed pack.
         for entry, _ in self._packed:
             entry.stored = len(payload) * entry.pack[2] // max(1, len(stream))  # type: ignore[index]
+        self._inflight += len(stream)
         self._put(fmt.shard_key(array, 1), payload, len(stream))
 
     def finish(self) -> Written:
         """Write what is left and wait for every write."""
-        self._max_inflight = 0
+        self._max_inflight = -1  # from here on, wait for everything
         self._drain(block=True)
         self._write_pack()
         self._reap(block=True)
+        assert not self._writes and not self._encoding
         return self._out
 
     def close(self) -> None:

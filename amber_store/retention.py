@@ -7,7 +7,8 @@ phases, each safe to interrupt:
    rewritten, oldest first: that tensor is re-encoded as a delta against the previous *kept*
    step (or full, when there is none), into a new attempt group, and the step's manifest is
    then replaced atomically. Its materialized bits do not change.
-2. **Uncommit**: the manifests of the deleted steps are removed. No kept step reads them now.
+2. **Uncommit**: the manifests of the deleted steps are removed, newest first. No kept step
+   reads them now, and a deleted step not yet uncommitted still has all of its bases.
 3. **Sweep**: every object under ``steps/`` that no remaining manifest references is deleted,
    including the data of crashed saves, except attempt groups of steps newer than the latest
    commit that are younger than ``grace_seconds`` (a save may be writing them right now).
@@ -93,7 +94,7 @@ def gc(store: Store, keep_last: int | None, keep_every: int | None, *, dry_run: 
 
     for step in rewrite:  # oldest first: a fold only ever diffs against already-safe steps
         report.bytes_written += _fold(store, step, [k for k in keep if k < step], set(deleted))
-    for step in deleted:
+    for step in reversed(deleted):  # newest first: a step still committed never lacks its (older) bases
         sync(history.uncommit(step))
     history.forget()
     garbage = sync(_unreferenced(history, keep, steps, grace_seconds))
@@ -117,6 +118,7 @@ def _fold(store: Store, step: int, earlier_kept: list[int], deleted: set[int]) -
     todo = [k for k in m.tensors if deleted & set(deps[k])]
     base_m = store.manifest(earlier_kept[-1]) if earlier_kept else None
     group = fmt.step_group(step, uuid.uuid4().hex[:8])
+    sync(store.open_group(group, step))
     writer = store.step_writer(group)
     try:
         for key in todo:

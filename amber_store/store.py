@@ -323,6 +323,7 @@ class Store:
         base_step = await history.base_step(prev, self.base_policy, self.full_every, full)
         base = await history.manifest(base_step) if base_step is not None else None
         group = fmt.step_group(step, uuid.uuid4().hex[:8])
+        await self.open_group(group, step)
         written = await asyncio.to_thread(self._write_tensors, group, step, tensors, base)
         created = await self.seal(group, step, written)
         if self._root_version != fmt.FORMAT_VERSION:
@@ -346,10 +347,10 @@ class Store:
         )
         await history.commit(manifest, latest)
         self.bases.put(step, written.values)
-        self.bases.keep(self._live_bases(manifest))
+        self.bases.keep(self.live_bases(manifest))
         return manifest
 
-    def _live_bases(self, m: Manifest) -> set[int]:
+    def live_bases(self, m: Manifest) -> set[int]:
         """Steps of ``m``'s segment that a later save may diff against."""
         parent = PARENTS[self.base_policy]
         horizon = 2 * max(self.full_every, m.depth + 2)
@@ -375,6 +376,11 @@ class Store:
         return StepWriter(self._loc.store, group, chunk_bytes=self.chunk_bytes, pack_threshold=self.pack_threshold,
                           level=self.compression_level, max_inflight_bytes=self._max_inflight, pack_name=pack_name,
                           **kwargs)
+
+    async def open_group(self, group: str, step: int) -> None:
+        """Create the attempt group before its data, stamped with its start time, so retention
+        can tell a save in progress from the remains of a crashed one (``grace_seconds``)."""
+        await self._loc.store.set(f"{group}/zarr.json", json_buffer(fmt.step_group_metadata(step, time.time(), {})))
 
     async def seal(self, group: str, step: int, written: Written) -> float:
         """Write the group's zarr.json (with the consolidated metadata of its arrays), then make

@@ -14,6 +14,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
 import amber_store as amber
+from amber_store import format as fmt
 from backends.loopback_s3 import LoopbackS3
 
 BUCKET = "amber-test"
@@ -87,15 +88,44 @@ def local_store(tmp_path: Any) -> Callable[..., amber.Store]:
 
 
 class CountingStore(WrapperStore[Any]):
-    """Counts reads per key, so tests can assert what a load touched."""
+    """Counts reads per key, and records their byte ranges, so tests can assert what a load touched."""
 
     def __init__(self, store: Any) -> None:
         super().__init__(store)
         self.reads: Counter[str] = Counter()
+        self.ranges: list[tuple[str, ByteRequest | None]] = []
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         self.reads[key] += 1
+        self.ranges.append((key, byte_range))
         return await self._store.get(key, prototype, byte_range)
+
+
+def is_data_key(key: str) -> bool:
+    """Whether a store key holds tensor data (a pack or a shard), not metadata or a commit."""
+    return key.startswith("steps/") and not key.endswith("zarr.json")
+
+
+def all_keys(store: amber.Store, prefix: str = "") -> list[str]:
+    """Every key of a store's location below ``prefix``."""
+    from zarr.core.sync import collect_aiterator
+
+    return list(collect_aiterator(store.history.zstore.list_prefix(prefix)))
+
+
+def flip_stored_byte(root: Any, store: amber.Store, step: int, key: str) -> None:
+    """Damage the middle byte of the first stored chunk holding ``key`` at ``step`` (in its
+    shard, or in the step's pack), as a bad disk sector would."""
+    m = store.manifest(step)
+    e = m.tensors[key]
+    if e.pack is not None:
+        pack = m.packs[e.pack[0]]
+        path, (offset, n) = root / fmt.shard_key(pack["array"], 1), pack["index"][e.pack[1] // pack["chunk"]]
+    else:
+        path, (offset, n) = root / fmt.shard_key(e.array, len(e.shape)), next(i for i in e.index if i)
+    data = bytearray(path.read_bytes())
+    data[offset + n // 2] ^= 0x10
+    path.write_bytes(bytes(data))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

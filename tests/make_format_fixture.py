@@ -1,7 +1,8 @@
 """Writes the small reference store of the on-disk format (docs/FORMAT.md).
 
-``python tests/make_format_fixture.py tests/data/format-v2`` made the newest committed copy
-(``format-v1`` was made by the version-1 code, with ``expected(1)``); the tests read every
+``python tests/make_format_fixture.py tests/data/format-v3`` made the newest committed copy
+(``format-v1`` and ``-v2`` were made by the code of their versions, with ``expected(1)`` and
+``expected(2)``); the tests read every
 committed copy back with the current code, so a change that breaks old stores fails CI, and
 also read back what this script writes today. Never edit a committed copy by hand; when the
 format version changes, add a new ``format-vN`` directory and keep the old ones.
@@ -21,12 +22,14 @@ def lossy_policy() -> list:
     import amber_store as amber
 
     return [("lossy/q", amber.QuantizedDeltaCodec(bits=4, min_numel=1)),
-            ("lossy/s", amber.SparseDeltaCodec(min_numel=1))]
+            ("lossy/s", amber.SparseDeltaCodec(min_numel=1)),
+            ("lossy/p", amber.QuantizedDeltaCodec(bits=8, min_numel=1))]
 
 
-def expected(version: int = 2) -> dict[int, dict]:
+def expected(version: int = 3) -> dict[int, dict]:
     """The state saved at each step: full, xor delta, then same/new/shape-change/removed; from
-    version 2 on also a quantized and a sparse tensor."""
+    version 2 on also a quantized and a sparse tensor; from version 3 on a packed tensor that
+    changes every step and a packed quantized one."""
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
     model = OrderedDict(w=w, b=torch.linspace(-1, 1, 5).to(torch.bfloat16), mask=torch.tensor([True, False, True]))
     model._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() returns
@@ -51,13 +54,20 @@ def expected(version: int = 2) -> dict[int, dict]:
         q = torch.linspace(-2, 2, 40).reshape(5, 8)
         for step, state in states.items():
             state["lossy"] = {"q": q * (1 + 0.1 * step), "s": q + 0.5 * (step == 3) * (q > 1)}
+    if version >= 3:
+        for step, state in states.items():
+            state["small"] = torch.arange(4, dtype=torch.float64) * step
+            state["lossy"]["p"] = torch.linspace(-1, 1, 5) * (1 + 0.05 * step)
     return states
 
 
 def write(path: str) -> None:
     import amber_store as amber
 
-    store = amber.open(path, mode="w", chunk_bytes=64, codec=lossy_policy())
+    # Version 3 packs small tensors: the threshold puts model/w and the lossy tensors in shards
+    # of several chunks and the rest in the pack. "chain" bases keep step 3 "same" as step 2.
+    store = amber.open(path, mode="w", chunk_bytes=64, pack_threshold=160, codec=lossy_policy(),
+                       base_policy="chain")
     for step, state in expected().items():
         store.save(step, state)
 

@@ -13,7 +13,7 @@ from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
 from amber_store.demo import GPTConfig, Trainer, corpus
-from conftest import assert_bit_equal, assert_tree_bit_equal
+from conftest import is_data_key, assert_bit_equal, assert_tree_bit_equal
 
 
 class SlowStore(WrapperStore):
@@ -27,7 +27,7 @@ class SlowStore(WrapperStore):
         self.gate.set()
 
     async def set(self, key: str, value: Buffer) -> None:
-        if "/c" in key:
+        if is_data_key(key):
             await asyncio.to_thread(self.gate.wait)
             await asyncio.sleep(self.delay)
             if self.fail:

@@ -5,18 +5,7 @@ from __future__ import annotations
 import torch
 
 from amber_store import format as fmt
-from conftest import assert_bit_equal
-
-
-def stored_chunk_keys(store, step: int, key: str) -> list[str]:
-    array = store.manifest(step).tensors[key].array
-    keys = [k for k in _list(store, array) if "/c/" in k[len(array):] or k[len(array):].startswith("/c")]
-    return keys
-
-
-def _list(store, prefix):
-    from zarr.core.sync import collect_aiterator
-    return list(collect_aiterator(store._zstore.list_prefix(prefix + "/")))
+from conftest import all_keys, assert_bit_equal, assert_tree_bit_equal, is_data_key
 
 
 def test_frozen_tensor_costs_zero_bytes_and_no_array_in_a_delta_step(make_store):
@@ -29,12 +18,12 @@ def test_frozen_tensor_costs_zero_bytes_and_no_array_in_a_delta_step(make_store)
     entry = store.manifest(2).tensors["frozen"]
     assert entry.encoding == "same" and entry.stored == 0 and entry.array is None
     assert entry.base == 1
-    assert not _list(store, f"{store.manifest(2).group}/frozen")
+    assert not all_keys(store, f"{store.manifest(2).group}/frozen")
     assert_bit_equal(store.load(2)["frozen"].materialize(), frozen)
 
 
 def test_a_tensor_that_changes_again_after_unchanged_steps_diffs_against_its_data(make_store):
-    store = make_store()
+    store = make_store(base_policy="chain")
     w = torch.randn(32, 32)
     store.save(1, {"w": w})
     store.save(2, {"w": w})  # same as 1
@@ -47,7 +36,7 @@ def test_a_tensor_that_changes_again_after_unchanged_steps_diffs_against_its_dat
     assert store.info(4)["chain"] == [1, 4]
     reader = make_store(mode="r")
     assert_bit_equal(reader.load(4)["w"].materialize(), w2)
-    reader2 = make_store()  # a fresh writer has no cached base: it reads step 4 back to diff against it
+    reader2 = make_store(base_policy="chain")  # a fresh writer has no cached base: it reads step 4 back to diff against it
     store2_state = w2.clone()
     store2_state[1, 1] = 7.0
     reader2.save(5, {"w": store2_state})
@@ -55,17 +44,34 @@ def test_a_tensor_that_changes_again_after_unchanged_steps_diffs_against_its_dat
     assert_bit_equal(make_store(mode="r").load(5)["w"].materialize(), store2_state)
 
 
-def test_only_changed_chunks_of_a_tensor_are_written(make_store):
-    store = make_store(chunk_bytes=4 * 1024)  # 4 KiB chunks of a (64, 64) float32: one per 16 rows
+def test_only_changed_chunks_of_a_tensor_are_written_into_its_one_object(make_store):
+    # 4 KiB chunks of a (64, 64) float32: one per 16 rows; no packing
+    store = make_store(chunk_bytes=4 * 1024, pack_threshold=0)
     w = torch.randn(64, 64)
     store.save(1, {"w": w})
     w[20] += 1.0  # touches chunk 1 of 4
     store.save(2, {"w": w})
     entry = store.manifest(2).tensors["w"]
     assert entry.chunks == [16, 64] and entry.encoding == "xor"
-    chunk_keys = [k for k in _list(store, entry.array) if not k.endswith("zarr.json")]
-    assert [k.rsplit("/c/", 1)[1] for k in chunk_keys] == ["1/0"]
+    assert [i for i, where in enumerate(entry.index) if where is not None] == [1]
+    assert all_keys(store, entry.array + "/") == [f"{entry.array}/0.0"]
     assert_bit_equal(store.load(2)["w"].materialize(), w)
+
+
+def test_small_tensors_of_a_step_share_one_pack_object(make_store):
+    store = make_store()
+    state = {f"t{i}": torch.randn(10, 10) for i in range(50)}
+    store.save(1, state)
+    m = store.manifest(1)
+    assert {e.pack[0] for e in m.tensors.values()} == {"pack"} and all(e.array is None for e in m.tensors.values())
+    data = [k for k in all_keys(store, m.group + "/") if is_data_key(k)]
+    assert data == [f"{m.group}/pack/0"]
+    for i in range(0, 50, 7):
+        state[f"t{i}"] += 1
+    store.save(2, state)
+    m2 = store.manifest(2)
+    assert sum(e.encoding == "xor" for e in m2.tensors.values()) == 8
+    assert_tree_bit_equal(make_store(mode="r").load(2, lazy=False), state)
 
 
 def test_small_update_delta_is_much_smaller_than_a_full_step(make_store):

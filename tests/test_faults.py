@@ -16,7 +16,7 @@ from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
 from amber_store import format as fmt
-from conftest import assert_bit_equal, assert_tree_bit_equal
+from conftest import flip_stored_byte, is_data_key, assert_bit_equal, assert_tree_bit_equal
 
 
 class FailingStore(WrapperStore):
@@ -28,7 +28,7 @@ class FailingStore(WrapperStore):
         self._lock = threading.Lock()
 
     async def set(self, key: str, value: Buffer) -> None:
-        if self.fail_after is not None and "/c" in key:
+        if self.fail_after is not None and is_data_key(key):
             with self._lock:
                 self.fail_after -= 1
                 fail = self.fail_after < 0
@@ -45,7 +45,7 @@ def state(seed: int) -> dict:
 @pytest.mark.parametrize("fail_after", [0, 3])
 def test_interrupted_save_leaves_prior_steps_intact_and_the_step_invisible(tmp_path, fail_after):
     failing = FailingStore(LocalStore(tmp_path / "ckpt"))
-    store = amber.open(failing)
+    store = amber.open(failing, pack_threshold=0)  # an object per tensor: fail between them
     s1, s2 = state(1), state(2)
     store.save(1, s1)
     failing.fail_after = fail_after
@@ -63,47 +63,46 @@ def test_interrupted_save_leaves_prior_steps_intact_and_the_step_invisible(tmp_p
     assert_tree_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2, lazy=False), s2)
 
 
-def chunk_file(root: Path, store: amber.Store, step: int, key: str) -> Path:
-    array = store.manifest(step).tensors[key].array
-    files = sorted((root / array / "c").rglob("*"))
-    return next(f for f in files if f.is_file())
+def shard_file(root: Path, store: amber.Store, step: int, key: str) -> Path:
+    e = store.manifest(step).tensors[key]
+    return root / fmt.shard_key(e.array, len(e.shape))
 
 
-def test_flipped_byte_in_a_chunk_is_detected_naming_step_and_tensor(local_store, tmp_path):
-    store = local_store()
+@pytest.mark.parametrize("pack_threshold", [0, fmt.DEFAULT_PACK_THRESHOLD], ids=["sharded", "packed"])
+def test_flipped_byte_in_a_chunk_is_detected_naming_step_and_tensor(local_store, tmp_path, pack_threshold):
+    store = local_store(pack_threshold=pack_threshold)
     s = state(0)
     store.save(1, s)
     s["t3"] += 1
     store.save(2, s)
-    path = chunk_file(tmp_path / "ckpt", store, 1, "t3")
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
+    flip_stored_byte(tmp_path / "ckpt", store, 1, "t3")
     reader = local_store(mode="r")
     for step in (1, 2):  # the damaged base also poisons the delta step built on it
         with pytest.raises(amber.CorruptDataError, match="step 1, tensor 't3'") as err:
             reader.load(step)["t3"].materialize()
         assert err.value.step == 1 and err.value.tensor == "t3"
-    assert_bit_equal(reader.load(2)["t2"].materialize(), s["t2"])  # the rest still loads
+    if not pack_threshold:  # (packed, its neighbours in the same pack chunk are damaged too)
+        assert_bit_equal(reader.load(2)["t2"].materialize(), s["t2"])  # the rest still loads
 
 
 def test_a_chunk_swapped_for_another_valid_one_fails_the_materialized_checksum(local_store, tmp_path):
-    store = local_store()
-    s = state(0)
+    store = local_store(pack_threshold=0)
+    s = {"t0": torch.full((32, 32), 1.0), "t1": torch.full((32, 32), -1.0)}  # equal-sized objects
     store.save(1, s)
-    a, b = chunk_file(tmp_path / "ckpt", store, 1, "t0"), chunk_file(tmp_path / "ckpt", store, 1, "t1")
+    a, b = shard_file(tmp_path / "ckpt", store, 1, "t0"), shard_file(tmp_path / "ckpt", store, 1, "t1")
     a.write_bytes(b.read_bytes())  # a well-formed object, but the wrong data
     with pytest.raises(amber.CorruptDataError, match=r"tensor 't0', chunk \(0, 0\): checksum mismatch"):
         local_store(mode="r").load(1)["t0"].materialize()
 
 
-def test_missing_array_is_reported_as_corruption(local_store, tmp_path):
-    import shutil
-
-    store = local_store()
+@pytest.mark.parametrize("pack_threshold", [0, fmt.DEFAULT_PACK_THRESHOLD], ids=["sharded", "packed"])
+def test_a_missing_object_is_reported_as_corruption(local_store, tmp_path, pack_threshold):
+    store = local_store(pack_threshold=pack_threshold)
     store.save(1, state(0))
-    shutil.rmtree(tmp_path / "ckpt" / store.manifest(1).tensors["t4"].array)
-    with pytest.raises(amber.CorruptDataError, match="t4"):
+    m = store.manifest(1)
+    e = m.tensors["t4"]
+    (tmp_path / "ckpt" / (fmt.shard_key(m.packs["pack"]["array"], 1) if e.pack else shard_file(tmp_path / "ckpt", store, 1, "t4"))).unlink()
+    with pytest.raises(amber.CorruptDataError, match="pack object .* is missing" if e.pack else "t4"):
         local_store(mode="r").load(1, lazy=False)
 
 
@@ -215,15 +214,15 @@ def test_a_writer_stops_once_another_writer_has_committed_after_it(make_store):
 def test_a_commit_by_another_writer_during_a_save_aborts_that_save(make_store, monkeypatch):
     a, rival = make_store(), make_store()
     a.save(1, {"x": torch.ones(3)})
-    original = amber.Store._write_groups
+    original = amber.Store.seal
 
     async def rival_commits_meanwhile(self, *args):
         if self is a:
-            monkeypatch.setattr(amber.Store, "_write_groups", original)
+            monkeypatch.setattr(amber.Store, "seal", original)
             await asyncio.to_thread(rival.save, 5, {"x": torch.zeros(3)})
-        await original(self, *args)
+        return await original(self, *args)
 
-    monkeypatch.setattr(amber.Store, "_write_groups", rival_commits_meanwhile)
+    monkeypatch.setattr(amber.Store, "seal", rival_commits_meanwhile)
     with pytest.raises(amber.ConcurrentWriterError, match="while step 2 was being saved"):
         a.save(2, {"x": torch.zeros(3)})
     assert make_store(mode="r").steps() == [1, 5]

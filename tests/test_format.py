@@ -14,7 +14,7 @@ import zarr
 
 import amber_store as amber
 from amber_store import format as fmt
-from conftest import assert_tree_bit_equal
+from conftest import assert_bit_equal, assert_tree_bit_equal
 from make_format_fixture import expected, write
 
 DATA = Path(__file__).parent / "data"
@@ -32,14 +32,21 @@ def check_reference_store(path: Path, version: int) -> None:
         if lossy is not None:
             assert torch.allclose(got["lossy"]["q"], lossy["q"], atol=0.2)
             assert torch.allclose(got["lossy"]["s"], lossy["s"], rtol=0.021)
+            if "p" in lossy:
+                assert torch.allclose(got["lossy"]["p"], lossy["p"], atol=0.01)
     encodings = {k: e.encoding for k, e in store.manifest(3).tensors.items()}
     assert encodings["model/w"] == "same" and encodings["model/b"] == "full" and encodings["new"] == "full"
     assert store.manifest(2).tensors["model/w"].encoding == "xor"
     if version >= 2:
         assert encodings["lossy/q"] == "quant" and encodings["lossy/s"] == "sparse"
+    if version >= 3:
+        entries = store.manifest(3).tensors
+        assert entries["small"].encoding == "xor" and entries["small"].pack is not None
+        assert entries["lossy/p"].encoding == "quant" and entries["lossy/p"].pack is not None
+        assert entries["lossy/q"].index is not None and len(entries["lossy/q"].chunks) == 2
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_every_committed_format_version_reads_back_with_the_current_code(tmp_path, version):
     copy = tmp_path / f"v{version}"
     shutil.copytree(DATA / f"format-v{version}", copy)  # reads need no write access; keep the fixture pristine
@@ -59,28 +66,49 @@ def test_lossy_reconstruction_is_bit_stable_across_code_versions(tmp_path):
         assert_tree_bit_equal(committed.load(step, lazy=False)["lossy"], today.load(step, lazy=False)["lossy"])
 
 
-def test_the_root_and_arrays_are_plain_zarr_v3_with_self_describing_delta_codecs(tmp_path):
+def test_stock_zarr_walks_the_root_and_reads_full_step_arrays_and_packs_bit_exactly(tmp_path):
     write(str(tmp_path / "s"))
     root = json.loads((tmp_path / "s" / "zarr.json").read_text())
     assert root["attributes"][fmt.ROOT_ATTR] == {"format": "amber-store", "format_version": fmt.FORMAT_VERSION}
     store = amber.open(tmp_path / "s", mode="r")
-    m = store.manifest(2)
-    arr = zarr.open_array(tmp_path / "s" / m.tensors["model/w"].array, mode="r")
-    (delta,) = [c for c in arr.metadata.codecs if isinstance(c, amber.XorDeltaCodec)]
-    assert delta.base_step == 1 and delta.base_array == store.manifest(1).tensors["model/w"].array
-    assert arr.attrs[fmt.ROOT_ATTR]["dtype"] == "float32"
+    m = store.manifest(1)
+    steps = zarr.open_group(tmp_path / "s", mode="r")["steps"]
+    assert m.group.split("/")[1] in [name for name, _ in steps.members()]
+    group = zarr.open_group(tmp_path / "s" / m.group, mode="r", use_consolidated=True)
+    w = group[fmt.array_name("model/w")]
+    assert w.attrs[fmt.ROOT_ATTR]["dtype"] == "float32"
+    assert_bit_equal(torch.from_numpy(w[:].view("float32")), expected()[1]["model"]["w"])
+    pack = group["pack"][:]
+    name, offset, length = m.tensors["ids"].pack
+    assert name == "pack" and torch.equal(torch.from_numpy(pack[offset:offset + length].view("int64")),
+                                          expected()[1]["ids"])
 
 
-def test_a_reader_that_never_imported_amber_store_still_knows_the_codec(tmp_path):
+def test_delta_arrays_name_their_codec_and_base_and_resolve_without_importing_amber_store(tmp_path):
     write(str(tmp_path / "s"))
-    array = amber.open(tmp_path / "s", mode="r").manifest(2).tensors["model/w"].array
+    m = amber.open(tmp_path / "s", mode="r").manifest(2)
+    name = fmt.array_name("model/w")
+    group = zarr.open_group(tmp_path / "s" / m.group, mode="r", use_consolidated=True)
+    (sharding,) = group[name].metadata.codecs
+    delta = sharding.codecs[0]
+    assert isinstance(delta, amber.XorDeltaCodec) and delta.base_step == 1
     code = ("import sys, zarr\n"
-            "a = zarr.open_array(sys.argv[1], mode='r')\n"
-            "print(type(a.metadata.codecs[0]).__module__)\n")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s" / array)],
+            "g = zarr.open_group(sys.argv[1], mode='r', use_consolidated=True)\n"
+            "print(type(g[sys.argv[2]].metadata.codecs[0].codecs[0]).__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s" / m.group), name],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "amber_store.codecs"
+
+
+def test_objects_per_step_are_the_large_tensors_plus_the_pack_and_group_metadata(tmp_path):
+    store = amber.open(tmp_path / "s")
+    state = {f"small{i}": torch.randn(100) for i in range(500)}
+    state.update({f"big{i}": torch.randn(300, 1024) for i in range(3)})
+    store.save(1, state)
+    m = store.manifest(1)
+    files = [p for p in (tmp_path / "s" / m.group).rglob("*") if p.is_file()]
+    assert len(files) == 3 + 1 + 1  # three shards, the pack, zarr.json
 
 
 @pytest.mark.parametrize("bad", ['{"format": "other"}', "[]"])

@@ -29,7 +29,8 @@ def drift(steps: int, shape=(96, 64), seed: int = 0):
 # a 50-long chain is quadratic in requests.
 def test_sparse_error_stays_within_one_steps_threshold_over_a_50_step_chain(local_store):
     threshold = 0.02
-    store = local_store(codec=amber.SparseDeltaCodec(threshold=threshold), full_every=1000, chunk_bytes=8192)
+    store = local_store(codec=amber.SparseDeltaCodec(threshold=threshold), full_every=1000, chunk_bytes=8192,
+                        base_policy="chain")
     reader = local_store(mode="r")
     worst = 0.0
     for step, w in drift(50):
@@ -47,7 +48,7 @@ def test_sparse_error_stays_within_one_steps_threshold_over_a_50_step_chain(loca
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_error_stays_within_half_a_step_scale_over_a_50_step_chain(local_store, bits):
-    store = local_store(codec=f"quant{bits}", full_every=1000, chunk_bytes=8192)
+    store = local_store(codec=f"quant{bits}", full_every=1000, chunk_bytes=8192, base_policy="chain")
     reader = local_store(mode="r")
     for step, w in drift(50):
         store.save(step, {"w": w})

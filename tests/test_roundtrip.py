@@ -63,8 +63,9 @@ def test_nested_state_with_plain_leaves_round_trips_exactly(make_store):
     assert list(lazy["optim"]["state"]) == [0]
 
 
-def test_chain_of_twenty_deltas_with_periodic_fulls_reads_every_step_bit_exact(make_store):
-    store = make_store(full_every=5, chunk_bytes=1024)
+@pytest.mark.parametrize("policy, chain", [("chain", [16, 17, 18, 19]), ("log", [16, 18, 19]), ("full", [16, 19])])
+def test_chain_of_twenty_deltas_with_periodic_fulls_reads_every_step_bit_exact(make_store, policy, chain):
+    store = make_store(full_every=5, chunk_bytes=1024, base_policy=policy)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 33, generator=g)
     frozen = torch.randn(50, generator=g)
@@ -82,8 +83,20 @@ def test_chain_of_twenty_deltas_with_periodic_fulls_reads_every_step_bit_exact(m
     for step, want in expected.items():
         assert_tree_bit_equal(reopened.load(step, lazy=False), want)
     info = reopened.info(19)
-    assert info["chain"] == [16, 17, 18, 19]
+    assert info["chain"] == chain
     assert info["tensors"]["frozen"]["chain"] == [16]
+
+
+def test_log_bases_bound_every_read_to_log2_full_every_plus_one_objects(make_store):
+    store = make_store(full_every=16, pack_threshold=0)
+    w = torch.randn(256, 256)
+    for step in range(16):
+        w[step] += 1
+        store.save(step, {"w": w})
+    depths = [len(store.info(s)["chain"]) for s in range(16)]
+    assert depths == [bin(p).count("1") + 1 for p in range(16)] and max(depths) == 5
+    assert [store.manifest(s).base for s in (1, 2, 3, 4, 6, 7, 8, 12, 15)] == [0, 0, 2, 0, 4, 6, 0, 8, 14]
+    assert_bit_equal(make_store(mode="r").load(15)["w"].materialize(), w)
 
 
 def test_base_policy_full_diffs_every_delta_against_the_last_full_step(make_store):

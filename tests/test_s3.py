@@ -6,8 +6,8 @@ test needs a server it can stop, so it runs on loopback only.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
+from concurrent.futures import wait
 
 import pytest
 import s3fs
@@ -41,24 +41,24 @@ def raw_fs(server) -> s3fs.S3FileSystem:
 def test_server_stopped_mid_save_fails_clearly_and_a_retry_after_recovery_succeeds(s3_server, s3_uri, monkeypatch):
     if not isinstance(s3_server, LoopbackS3):
         pytest.skip("needs a server the test can stop (the loopback one)")
-    store = amber.open(s3_uri, s3_server.storage_options())
+    store = amber.open(s3_uri, s3_server.storage_options(), pack_threshold=0)  # an object per tensor
     s1, s2 = state(1), state(2)
     store.save(1, s1)
-    original = pipeline.write_encoded
+    original = pipeline.StepWriter._put
 
-    async def outage_after_first_tensor(store_, enc):
-        stored = await original(store_, enc)
+    def outage_after_first_object(self, key, payload, weight):
+        original(self, key, payload, weight)
         if s3_server.running:
-            await asyncio.to_thread(s3_server.stop)
-        return stored
+            wait(list(self._writes))
+            s3_server.stop()
 
-    monkeypatch.setattr(pipeline, "write_encoded", outage_after_first_tensor)
+    monkeypatch.setattr(pipeline.StepWriter, "_put", outage_after_first_object)
     try:
         with pytest.raises(amber.StorageAccessError, match=rf"{s3_uri}: saving step 2 failed") as err:
             store.save(2, s2)
         assert "secret" not in str(err.value) and s3_server.storage_options()["secret"] not in str(err.value)
     finally:
-        monkeypatch.setattr(pipeline, "write_encoded", original)
+        monkeypatch.setattr(pipeline.StepWriter, "_put", original)
         if not s3_server.running:
             s3_server.start()
     assert store.steps() == [1]
@@ -75,7 +75,7 @@ def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_s
     async def crash(*args, **kwargs):
         raise ConnectionResetError("process killed before the commit")
 
-    monkeypatch.setattr("amber_store.store.put_if_absent", crash)
+    monkeypatch.setattr("amber_store.history.put_if_absent", crash)
     with pytest.raises(amber.StorageAccessError):
         store.save(2, state(2))
     monkeypatch.undo()
@@ -94,11 +94,11 @@ def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_s
 
 def test_flipped_bytes_in_one_object_are_detected_with_step_and_tensor(s3_server, s3_uri):
     opts = s3_server.storage_options()
-    store = amber.open(s3_uri, opts)
+    store = amber.open(s3_uri, opts, pack_threshold=0)
     store.save(1, state(1))
     array = store.manifest(1).tensors["layer2"].array
     fs = raw_fs(s3_server)
-    key = f"{s3_uri[len('s3://'):]}/{array}/c/0/0"
+    key = f"{s3_uri[len('s3://'):]}/{array}/0.0"
     data = bytearray(fs.cat_file(key))
     data[40] ^= 0xFF
     fs.pipe_file(key, bytes(data))
