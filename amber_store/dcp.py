@@ -153,15 +153,13 @@ class AmberStorageWriter(StorageWriter):
         _promote(store, bases)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         writer = store.step_writer(decision.group, pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=bases.cache.recycle)
-        keyed: dict[str, WriteItem] = {}
+        keyed = {item_key(item.index, item.type): item for item in plan.items}
+        refs = store.bases_for(base_m, list(keyed), cache=bases.cache) if base_m is not None else {}
         try:
-            for item in plan.items:
-                key = item_key(item.index, item.type)
-                keyed[key] = item
+            for key, item in keyed.items():
                 tensor = _item_tensor(planner.resolve_data(item))
-                ref = store.base_for(base_m, key, cache=bases.cache) if base_m is not None else None
                 codec = store.policy.for_tensor(key, fmt.dtype_name(tensor.dtype), tensor.numel())
-                writer.add(key, tensor, ref, codec)
+                writer.add(key, tensor, refs.get(key), codec)
             written = writer.finish()
         finally:
             writer.close()

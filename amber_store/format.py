@@ -11,7 +11,7 @@ import json
 import math
 import re
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
 import crc32c
@@ -421,7 +421,7 @@ class Manifest:
         return sum(e.stored for e in self.tensors.values())
 
     def to_json(self) -> bytes:
-        d = asdict(self)
+        d = {**vars(self), "tensors": {k: vars(e) for k, e in self.tensors.items()}}
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod

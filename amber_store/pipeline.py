@@ -417,16 +417,19 @@ class Snapshots:
         with self._lock:
             buffers = self._free.pop() if self._free else {}
         out = {}
+        sources = []
         for key, t in tensors.items():
             t = t.detach()
             buf = buffers.get(key)
-            on_device = t.device.type != "cpu"
             device = t.device if self.where == "device" else torch.device("cpu")
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != device:
-                pin = on_device and device.type == "cpu"
+                pin = t.device.type != "cpu" and device.type == "cpu"
                 buf = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
-            buf.copy_(t, non_blocking=on_device)
+            sources.append(t)
             out[key] = buf
+        # One batched call: for many small tensors the per-tensor dispatch dominated the copy.
+        # Copies from an accelerator are asynchronous (non_blocking), hence the synchronize below.
+        torch._foreach_copy_(list(out.values()), sources, non_blocking=True)
         for device in {t.device for t in tensors.values() if t.device.type != "cpu"}:
             getattr(torch, device.type).synchronize(device)  # the copies above were asynchronous
         return out

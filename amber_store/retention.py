@@ -120,10 +120,11 @@ def _fold(store: Store, step: int, earlier_kept: list[int], deleted: set[int]) -
     group = fmt.step_group(step, uuid.uuid4().hex[:8])
     sync(store.open_group(group, step))
     writer = store.step_writer(group)
+    refs = store.bases_for(base_m, todo) if base_m is not None else {}
     try:
         for key in todo:
             value = store.materialized(step, key)
-            ref = store.base_for(base_m, key) if base_m is not None else None
+            ref = refs.get(key)
             if ref is not None and ref.step < deps[key][0] and not torch.equal(fmt.to_bits(value), ref.bits):
                 ref = None  # unchanged is free; a long new chain is not
             found = sync(history.holder(step, key))

@@ -361,12 +361,12 @@ class Store:
         """Encode and write every tensor into ``group`` (on a worker thread, so the event loop
         stays free for the writes)."""
         writer = self.step_writer(group, recycle=self.bases.recycle)
+        refs = self.bases_for(base, list(tensors)) if base is not None else {}
         try:
             items = tqdm(tensors.items(), desc=f"save {step}", unit="tensor", disable=not self.progress)
             for key, tensor in items:
-                ref = self.base_for(base, key) if base is not None else None
                 codec = self.policy.for_tensor(key, fmt.dtype_name(tensor.dtype), tensor.numel())
-                writer.add(key, tensor, ref, codec)
+                writer.add(key, tensor, refs.get(key), codec)
             return writer.finish()
         finally:
             writer.close()
@@ -393,17 +393,27 @@ class Store:
             await make_durable(self._loc, written.keys + [key])
         return created
 
-    def base_for(self, base: Manifest, key: str, cache: BaseCache | None = None) -> Base | None:
-        """The value of ``key`` at step ``base`` as host bits, and the entry holding its data;
-        from ``cache`` (default: this store's) when it holds that step, else read once."""
-        found = sync(self.history.holder(base.step, key))
-        if found is None:
-            return None
-        holder, entry = found
-        bits = (cache or self.bases).get(base.step, key)
-        if bits is None:
-            bits = fmt.to_bits(self.materialized(holder, key))
-        return Base(holder, entry, bits)
+    def bases_for(self, base: Manifest, keys: list[str], cache: BaseCache | None = None) -> dict[str, Base | None]:
+        """The value of each of ``keys`` at step ``base`` as host bits, with the entry holding
+        its data (``None``: not in that step); from ``cache`` (default: this store's) when it
+        holds that step, else read now, all in one pass."""
+        cache = cache or self.bases
+        return sync(self._bases_for(base, keys, cache))
+
+    async def _bases_for(self, base: Manifest, keys: list[str], cache: BaseCache) -> dict[str, Base | None]:
+        session = ReadSession()
+
+        async def one(key: str) -> Base | None:
+            found = await self.history.holder(base.step, key)
+            if found is None:
+                return None
+            holder, entry = found
+            bits = cache.get(base.step, key)
+            if bits is None:  # another process wrote the base, or this store was just opened
+                bits = fmt.to_bits(fmt.numpy_to_tensor(await self.reader.read(holder, key, session=session), entry.dtype))
+            return Base(holder, entry, bits)
+
+        return dict(zip(keys, await asyncio.gather(*(one(k) for k in keys))))
 
     def materialized(self, step: int, key: str) -> torch.Tensor:
         """The whole tensor ``key`` of ``step``, read now."""

@@ -81,7 +81,7 @@ def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_s
     monkeypatch.undo()
     fs = raw_fs(s3_server)
     prefix = s3_uri[len("s3://"):]
-    groups = fs.ls(f"{prefix}/steps", detail=False, refresh=True)
+    groups = [g for g in fs.ls(f"{prefix}/steps", detail=False, refresh=True) if not g.endswith("zarr.json")]
     assert len(groups) == 2  # step 1's and the orphaned attempt of step 2
     reader = amber.open(s3_uri, opts, mode="r")
     assert reader.steps() == [1]

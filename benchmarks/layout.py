@@ -1,0 +1,193 @@
+"""Save and load speed of the format-3 layout against torch.save / torch.load, and its footprint.
+
+Two workloads: a GPT-like model with AdamW state (``--params`` millions of parameters, ~300
+tensors) and ``--small`` small tensors (50 MB in all). For each, a run of ``--full-every``
+checkpoints is written with the default ``log`` bases; every method is timed interleaved in one
+process (torch.save, amber full, amber delta, then again), medians of ``--repeats``; loads of the
+full step, a depth-1 step and the deepest step against torch.load of the same state from the page
+cache. Footprint: allocated bytes on disk (``du --block-size=1``) and files per step against
+torch.save files of every step. Also the ``save_async`` stall against a bare copy into reused
+buffers, and the cost of ``durable=True`` (fsync before commit).
+
+    python benchmarks/layout.py                 # about 4 minutes on 2 cores
+    python benchmarks/layout.py --params 10 --small 500 --repeats 3    # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import amber_store as amber  # noqa: E402
+from benchmarks.common import machine, table  # noqa: E402
+
+
+def gpt_state(params_m: float, seed: int = 0) -> dict[str, Any]:
+    """A GPT-like model's state dict and AdamW state with dense moments (~12 tensors a layer)."""
+    g = torch.Generator().manual_seed(seed)
+    d = 640
+    layers = max(1, round((params_m * 1e6 - 16384 * d) / (12 * d * d)))
+    shapes = {"wte": (16384, d), "wpe": (1024, d)}
+    for i in range(layers):
+        p = f"h.{i}."
+        shapes.update({p + "ln1.w": (d,), p + "ln1.b": (d,), p + "qkv.w": (3 * d, d), p + "qkv.b": (3 * d,),
+                       p + "proj.w": (d, d), p + "proj.b": (d,), p + "ln2.w": (d,), p + "ln2.b": (d,),
+                       p + "fc1.w": (4 * d, d), p + "fc1.b": (4 * d,), p + "fc2.w": (d, 4 * d), p + "fc2.b": (d,)})
+    model = {k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}
+    state = {i: {"step": torch.tensor(100.0), "exp_avg": torch.randn(s, generator=g) * 1e-3,
+                 "exp_avg_sq": torch.rand(s, generator=g) * 1e-6} for i, s in enumerate(shapes.values())}
+    return {"model": model, "optim": {"state": state, "param_groups": [{"lr": 3e-4, "params": list(state)}]}}
+
+
+def small_state(n: int, total_mb: float = 50, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    numel = int(total_mb * 1e6 / 4 / n)
+    return {"t": {str(i): torch.randn(numel, generator=g) for i in range(n)}}
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors(v)]
+    return []
+
+
+def train_step(state: dict[str, Any], g: torch.Generator) -> None:
+    """An AdamW-like update: every weight and both moments move by a small random amount
+    (about 1e-3 of their spread), so every element's low mantissa bits change."""
+    for t in tensors(state):
+        if t.dtype.is_floating_point and t.dim() > 0:
+            t.add_(torch.randn(t.shape, generator=g), alpha=1e-3 * float(t.std()))
+
+
+def nbytes(state: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors(state))
+
+
+def allocated(path: Path) -> tuple[int, int]:
+    """(allocated bytes as du reports them, number of files) under ``path``."""
+    out = subprocess.run(["du", "-s", "--block-size=1", str(path)], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[0]), sum(1 for p in path.rglob("*") if p.is_file())
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root: Path) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    raw = nbytes(state)
+    times: dict[str, list[float]] = {k: [] for k in (
+        "torch.save", "amber save full", "amber save delta", "amber save delta (durable=False)")}
+    loads: dict[str, list[float]] = {k: [] for k in ("torch.load", "amber load full", "amber load depth 1",
+                                                     "amber load deepest")}
+    for r in range(repeats):
+        run = root / f"{name}-{r}"
+        ts_dir = root / f"{name}-{r}-ts"
+        ts_dir.mkdir(parents=True)
+        store = amber.open(run, full_every=full_every)
+        fast = amber.open(root / f"{name}-{r}-nd", full_every=full_every, durable=False)
+        for pos in range(full_every):
+            if pos:
+                train_step(state, g)
+            times["torch.save"].append(timed(lambda: torch.save(state, ts_dir / f"{pos}.pt")))
+            key = "amber save full" if pos == 0 else "amber save delta"
+            times[key].append(timed(lambda: store.save(pos, state)))
+            if pos:
+                times["amber save delta (durable=False)"].append(timed(lambda: fast.save(pos, state)))
+            else:
+                fast.save(pos, state)
+        depths = {s: len(store.info(s)["chain"]) for s in store.steps()}
+        deepest = max(depths, key=lambda s: (depths[s], s))
+        for _ in range(2):
+            loads["torch.load"].append(timed(lambda: torch.load(ts_dir / f"{deepest}.pt", weights_only=True)))
+            for label, step in (("amber load full", 0), ("amber load depth 1", 1), ("amber load deepest", deepest)):
+                loads[label].append(timed(lambda: amber.open(run, mode="r").load(step, lazy=False)))
+        if r == 0:
+            alloc, files = allocated(run)
+            ts_alloc, ts_files = allocated(ts_dir)
+            objects = max(len([p for p in (run / store.manifest(s).group).rglob("*") if p.is_file()])
+                          for s in store.steps()) + 1  # + the manifest
+            large = sum(1 for e in store.manifest(0).tensors.values() if e.pack is None)
+            footprint = {"amber allocated": alloc, "torch.save allocated": ts_alloc, "amber files": files,
+                         "torch.save files": ts_files, "objects per step (max)": objects,
+                         "large tensors": large, "deepest chain": depths[deepest]}
+        shutil.rmtree(run)
+        shutil.rmtree(ts_dir)
+        shutil.rmtree(root / f"{name}-{r}-nd")
+    med = {k: statistics.median(v) for k, v in {**times, **loads}.items()}
+    return {"raw_bytes": raw, "tensors": len(tensors(state)), "median_s": med, "footprint": footprint,
+            "ratios": {k: med[k] / med["torch.save"] for k in times} | {k: med[k] / med["torch.load"] for k in loads}}
+
+
+def stall(state: dict[str, Any], repeats: int, root: Path) -> dict[str, float]:
+    """save_async's blocking time against a bare copy of the state into reused buffers."""
+    flat = tensors(state)
+    buffers = [torch.empty_like(t) for t in flat]
+    store = amber.open(root / "stall", max_pending=2)
+    copies, stalls = [], []
+    for step in range(repeats * 2):
+        copies.append(timed(lambda: [b.copy_(t) for b, t in zip(buffers, flat)]))
+        stalls.append(timed(lambda: store.save_async(step, state)))
+        store.wait()
+    store.close()
+    shutil.rmtree(root / "stall")
+    return {"bare copy": statistics.median(copies), "save_async": statistics.median(stalls),
+            "ratio": statistics.median(stalls) / statistics.median(copies)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, default=50, help="GPT-like model size, millions of parameters")
+    p.add_argument("--small", type=int, default=2000, help="number of small tensors (50 MB in all)")
+    p.add_argument("--full-every", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="amber-layout-"))
+    try:
+        results = {}
+        for name, state in (("gpt", gpt_state(args.params)), ("small", small_state(args.small))):
+            results[name] = bench(name, state, args.full_every, args.repeats, root)
+            results[name]["stall"] = stall(state, args.repeats, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"# Layout: save/load speed and footprint (format 3)\n\n{machine()}; full_every={args.full_every}, "
+          f"base_policy=log, medians of {args.repeats} runs, interleaved.\n")
+    for name, r in results.items():
+        mb = r["raw_bytes"] / 1e6
+        print(f"## {name}: {mb:.0f} MB in {r['tensors']} tensors\n")
+        rows = [[k, f"{r['median_s'][k]:.3f}", f"{r['ratios'][k]:.2f}x"] for k in r["median_s"]]
+        print(table(["method", "median s", "vs torch.save / torch.load"], rows))
+        f = r["footprint"]
+        print(f"\nAllocated on disk: amber {f['amber allocated'] / 1e6:.0f} MB in {f['amber files']} files vs "
+              f"torch.save {f['torch.save allocated'] / 1e6:.0f} MB in {f['torch.save files']} files "
+              f"(**{f['amber allocated'] / f['torch.save allocated']:.2f}x**); objects per step "
+              f"{f['objects per step (max)']} for {f['large tensors']} tensors above the pack threshold; "
+              f"deepest chain {f['deepest chain']} objects.")
+        s = r["stall"]
+        print(f"save_async stall {s['save_async']:.3f} s vs bare copy {s['bare copy']:.3f} s "
+              f"(**{s['ratio']:.2f}x**).\n")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": None}, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
