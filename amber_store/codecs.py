@@ -441,36 +441,42 @@ class Policy:
 BLOSC_BLOCK = 1 << 20
 
 
-def blosc_config(typesize: int, level: int, shuffle: bool) -> dict[str, Any]:
-    """The zarr ``blosc`` codec metadata matching :func:`compress`."""
-    return {"name": "blosc", "configuration": {
-        "typesize": typesize, "cname": "zstd", "clevel": level,
-        "shuffle": "shuffle" if shuffle and typesize > 1 else "noshuffle", "blocksize": BLOSC_BLOCK}}
+@dataclass(frozen=True)
+class Compression:
+    """How stored chunks are compressed: blosc with ``cname`` (``"zstd"`` or ``"lz4"``) at
+    ``level``, byte-shuffled by element width, then a crc32c (the zarr codecs ``blosc``,
+    ``crc32c``). Blosc's SIMD byte shuffle groups the sign/exponent bytes of each element, which
+    barely change between steps and XOR to zero runs. Decompression needs no configuration."""
 
+    cname: str = "zstd"
+    level: int = 1
 
-def inner_codecs(dtype: str, level: int, delta: DeltaCodec | None) -> list[dict[str, Any]]:
-    """The codec chain of one stored chunk, as zarr v3 metadata (inside ``sharding_indexed``).
+    def __post_init__(self) -> None:
+        if self.cname not in ("zstd", "lz4"):
+            raise ValueError(f"compressor must be 'zstd' or 'lz4', not {self.cname!r}")
 
-    Blosc's SIMD byte shuffle groups the sign/exponent bytes of each element, which barely
-    change between steps and XOR to zero runs; zstd level 1 inside 1 MiB blosc blocks measured
-    as ratio-equal to level 3 on XOR deltas and 3-4x faster. crc32c last catches a damaged
-    chunk before it is decoded.
-    """
-    if delta is None or isinstance(delta, XorDeltaCodec):
-        serializer: dict[str, Any] = {"name": "bytes", "configuration": {"endian": "little"}}
-        typesize, shuffle = itemsize(dtype), True
-    else:
-        serializer, typesize, shuffle = delta.serializer(dtype), itemsize(dtype), delta.shuffle
-    chain = [delta.to_dict()] if delta is not None else []
-    return chain + [serializer, blosc_config(typesize, level, shuffle), {"name": "crc32c"}]
+    def config(self, typesize: int, shuffle: bool) -> dict[str, Any]:
+        """The zarr ``blosc`` codec metadata matching :meth:`compress`."""
+        return {"name": "blosc", "configuration": {
+            "typesize": typesize, "cname": self.cname, "clevel": self.level,
+            "shuffle": "shuffle" if shuffle and typesize > 1 else "noshuffle", "blocksize": BLOSC_BLOCK}}
 
+    def inner_codecs(self, dtype: str, delta: DeltaCodec | None) -> list[dict[str, Any]]:
+        """The codec chain of one stored chunk of a ``dtype`` tensor, as zarr v3 metadata
+        (inside ``sharding_indexed``)."""
+        if delta is None or isinstance(delta, XorDeltaCodec):
+            serializer: dict[str, Any] = {"name": "bytes", "configuration": {"endian": "little"}}
+            shuffle = True
+        else:
+            serializer, shuffle = delta.serializer(dtype), delta.shuffle
+        chain = [delta.to_dict()] if delta is not None else []
+        return chain + [serializer, self.config(itemsize(dtype), shuffle), {"name": "crc32c"}]
 
-def compress(payload: Any, typesize: int, level: int, shuffle: bool) -> bytes:
-    """Blosc-zstd of one serialized chunk followed by its crc32c: the bytes of one stored chunk
-    (the zarr codecs ``blosc``, ``crc32c``). Releases the GIL, so chunks compress in parallel."""
-    packed = blosc.compress(payload, b"zstd", level, blosc.SHUFFLE if shuffle and typesize > 1 else blosc.NOSHUFFLE,
-                            BLOSC_BLOCK, typesize)
-    return packed + crc32c.crc32c(packed).to_bytes(4, "little")
+    def compress(self, payload: Any, typesize: int, shuffle: bool) -> bytes:
+        """The bytes of one stored chunk. Releases the GIL, so chunks compress in parallel."""
+        packed = blosc.compress(payload, self.cname.encode(), self.level,
+                                blosc.SHUFFLE if shuffle and typesize > 1 else blosc.NOSHUFFLE, BLOSC_BLOCK, typesize)
+        return packed + crc32c.crc32c(packed).to_bytes(4, "little")
 
 
 def decompress(stored: Any, out: np.ndarray | None = None) -> np.ndarray | None:
@@ -493,8 +499,20 @@ def decompress(stored: Any, out: np.ndarray | None = None) -> np.ndarray | None:
 
 __all__ = [
     "CodecPolicy", "Delta", "DeltaCodec", "Pack4BytesCodec", "Policy", "QuantizedDeltaCodec", "SparseBytesCodec",
-    "SparseDeltaCodec", "XorDeltaCodec", "codec_named", "codec_pool", "compress", "decompress", "dequantize", "inner_codecs",
+    "SparseDeltaCodec", "XorDeltaCodec", "codec_named", "Compression", "codec_pool", "decompress", "dequantize",
 ]
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(nbytes: int) -> np.ndarray:
+    """A reusable byte buffer of the calling (codec) thread, so chunks are encoded and decoded
+    without a fresh allocation each; valid until that thread's next call."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf[:nbytes]
 
 
 _POOL: ThreadPoolExecutor | None = None

@@ -6,7 +6,9 @@ DCP's planner for everything distributed: which rank writes which shard (DTensor
 shards, deduplicated replicas), and how a checkpoint saved from N ranks is resharded onto M.
 amber-store only stores the items: each DCP write item (one tensor shard, or a pickled object)
 becomes one tensor of an amber step, encoded as a delta against the same item of the previous
-step by the rank that owns it, which keeps that base in host memory for its own shards.
+step by the rank that owns it, which keeps that base in host memory for its own shards. Each
+rank writes through the same step writer as :meth:`Store.save`: its small items into one pack
+of its own (``pack-r<rank>``), each large item as one object.
 
 The commit is DCP's: every rank writes its items in ``write_data``, DCP gathers the results
 on the coordinator, and only then ``finish`` writes the step's manifest (the commit point). A
@@ -19,12 +21,12 @@ with ``set_state_dict`` after ``dcp.load``: both work unchanged with these class
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import io
 import os
 import pickle
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +41,6 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     SavePlan,
     SavePlanner,
-    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -50,6 +51,7 @@ from . import format as fmt
 from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError
 from .format import Manifest, TensorEntry
 from .pipeline import BaseCache, Written
+from .reader import ReadSession
 from .store import Store, open
 
 _METADATA = "dcp.metadata"
@@ -300,16 +302,22 @@ class AmberStorageReader(StorageReader):
         store = self._open()
         assert self.step is not None
         lazy = store.load(self.step)
-        for req in plan.items:
-            key = self._keys[req.storage_index]
+        wanted = [(req, lazy[self._keys[req.storage_index]]) for req in plan.items]
+
+        async def read_all() -> list[torch.Tensor]:
+            session = ReadSession()  # every object, and each pack, fetched once
+            return await asyncio.gather(*(lt._read(
+                Ellipsis if req.type == LoadItemType.BYTE_IO or not req.lengths
+                else tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths)), session)
+                for req, lt in wanted))
+
+        for (req, lt), tensor in zip(wanted, sync(read_all())):
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(lazy[key].materialize().numpy().tobytes()))
+                planner.load_bytes(req, io.BytesIO(tensor.numpy().tobytes()))
                 continue
-            region = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
-            tensor = lazy[key][region] if region else lazy[key].materialize()
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
-                raise AssertionError(f"{key}: stored region {tuple(tensor.shape)} vs target {tuple(target.shape)}")
+                raise AssertionError(f"{lt.key}: stored region {tuple(tensor.shape)} vs target {tuple(target.shape)}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)
         fut: Future[None] = Future()

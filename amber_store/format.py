@@ -7,6 +7,7 @@ versioned: readers refuse a ``format_version`` newer than :data:`FORMAT_VERSION`
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -265,6 +266,7 @@ def step_group_metadata(step: int, created: float, arrays: dict[str, dict[str, A
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
 
 
+@functools.lru_cache(maxsize=1 << 16, typed=True)  # the same keys come back at every save
 def escape_segment(key: str | int) -> str:
     """A dict key as one zarr node name: reversible, and never a reserved name."""
     s = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in str(key))

@@ -27,7 +27,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from . import format as fmt
-from .codecs import DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, blosc_config, codec_pool, compress, inner_codecs
+from .codecs import Compression, DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, codec_pool, scratch
 from .errors import AsyncSaveError
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, to_bits
 
@@ -57,17 +57,6 @@ class Written:
     keys: list[str] = field(default_factory=list)
 
 
-_SCRATCH = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """A per-thread reusable byte buffer (chunks are encoded without fresh allocations)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-    return buf[:nbytes]
-
-
 def _padded(data: np.ndarray, length: int) -> np.ndarray:
     """``data`` (flat) zero-padded to ``length`` elements: an edge chunk is stored whole."""
     if data.size == length:
@@ -78,7 +67,7 @@ def _padded(data: np.ndarray, length: int) -> np.ndarray:
 
 
 def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, new_base: np.ndarray, padded: int,
-                    level: int, typesize: int) -> tuple[bytes | None, int]:
+                    compression: Compression, typesize: int) -> tuple[bytes | None, int]:
     """One chunk of a full or XOR step: (stored bytes, or ``None`` when all zero; crc32c of
     the materialized bits). ``new_base`` receives the value."""
     crc = crc32c.crc32c(value)
@@ -86,21 +75,21 @@ def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, new_base: np.nda
     if base is None:
         data = value
     else:
-        data = _scratch(value.nbytes).view(value.dtype)
+        data = scratch(value.nbytes).view(value.dtype)
         np.bitwise_xor(value, base, out=data)
     if not data.any():
         return None, crc
-    return compress(_padded(data, padded), typesize, level, True), crc
+    return compression.compress(_padded(data, padded), typesize, True), crc
 
 
-def _delta_chunk(codec: DeltaCodec, data: np.ndarray, recon: np.ndarray, padded: int, level: int,
+def _delta_chunk(codec: DeltaCodec, data: np.ndarray, recon: np.ndarray, padded: int, compression: Compression,
                  typesize: int) -> tuple[bytes | None, int]:
     """One chunk of a precomputed delta (device XOR or a lossy codec): stored bytes and the
     crc32c of the reconstruction."""
     crc = crc32c.crc32c(recon)
     if not data.any():
         return None, crc
-    return compress(codec.serialize(_padded(data, padded)), typesize, level, codec.shuffle), crc
+    return compression.compress(codec.serialize(_padded(data, padded)), typesize, codec.shuffle), crc
 
 
 async def _running_loop() -> asyncio.AbstractEventLoop:
@@ -125,14 +114,14 @@ class StepWriter:
     """
 
     def __init__(self, zstore: ZarrStore, group: str, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
-                 pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD, level: int = 1,
+                 pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD, compression: Compression = Compression(),
                  pack_name: str = fmt.PACK_PREFIX, max_inflight_bytes: int = 1 << 30,
                  recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None) -> None:
         self._zstore = zstore
         self._group = group
         self._chunk_bytes = chunk_bytes
         self._pack_threshold = pack_threshold
-        self._level = level
+        self._compression = compression
         self._pack_name = pack_name
         self._max_inflight = max_inflight_bytes
         self._recycle = recycle or (lambda key, like: None)
@@ -240,13 +229,14 @@ class StepWriter:
             src = bits_to_numpy(to_bits(tensor).cpu()).reshape(-1)
             ref = None if base is None else bits_to_numpy(base.bits).reshape(-1)
             jobs = [self._pool.submit(_lossless_chunk, src[a:b], None if ref is None else ref[a:b], new[a:b],
-                                      padded, self._level, width) for a, b in runs]
+                                      padded, self._compression, width) for a, b in runs]
         else:
             assert stored is not None
             data = stored.reshape(-1)
-            jobs = [self._pool.submit(_delta_chunk, codec, data[a:b], new[a:b], padded, self._level, width)
+            jobs = [self._pool.submit(_delta_chunk, codec, data[a:b], new[a:b], padded, self._compression, width)
                     for a, b in runs]
-        inner = inner_codecs(entry.dtype, self._level, None if base is None else codec.with_base(base.step, base.entry.array or ""))
+        inner = self._compression.inner_codecs(
+            entry.dtype, None if base is None else codec.with_base(base.step, base.entry.array or ""))
         data_type = bits_numpy_dtype(entry.dtype).name if not isinstance(codec, QuantizedDeltaCodec) or base is None else "int8"
         attrs = {"dtype": entry.dtype, "encoding": entry.encoding, "base_step": entry.base}
         self._out.arrays[fmt.array_name(key)] = fmt.sharded_array_metadata(shape, chunks, data_type, inner, attrs)
@@ -318,7 +308,7 @@ class StepWriter:
         # The last inner chunk is stored whole, zero-padded, as zarr reads it.
         parts = [view[a: a + size] if a + size <= len(stream) else bytes(view[a:]) + bytes(a + size - len(stream))
                  for a in range(0, len(stream), size)]
-        jobs = [self._pool.submit(compress, part, typesize, self._level, True) for part in parts]
+        jobs = [self._pool.submit(self._compression.compress, part, typesize, True) for part in parts]
         blobs = [j.result() for j in jobs]
         index, offset = [], 0
         for blob in blobs:
@@ -328,7 +318,7 @@ class StepWriter:
         name = self._pack_name
         array = f"{self._group}/{name}"
         self._out.packs[name] = {"array": array, "chunk": size, "nbytes": len(stream), "index": index}
-        inner = [{"name": "bytes", "configuration": {}}, blosc_config(typesize, self._level, True), {"name": "crc32c"}]
+        inner = [{"name": "bytes", "configuration": {}}, self._compression.config(typesize, True), {"name": "crc32c"}]
         self._out.arrays[name] = fmt.sharded_array_metadata((len(stream),), (size,), "uint8", inner,
                                                             {"pack": True})
         # Each packed tensor is charged its share of the compressed pack.

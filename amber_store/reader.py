@@ -22,7 +22,7 @@ from zarr.core.buffer import default_buffer_prototype
 
 from . import format as fmt
 from . import legacy
-from .codecs import DELTA_ENCODINGS, codec_pool, decompress
+from .codecs import DELTA_ENCODINGS, codec_pool, decompress, scratch
 from .errors import CorruptDataError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
 from .history import History
@@ -150,7 +150,12 @@ class Reader:
             if payload is None:
                 continue  # an unchanged chunk: the delta is zero
             codec = DELTA_ENCODINGS[le.encoding].for_entry(le)
-            raw = payload if packed else self._decompress(payload, None, s, key, idx)
+            if packed:
+                raw = payload
+            elif le.encoding == "xor":  # a fixed size: decode into this thread's reused buffer
+                raw = self._decompress(payload, scratch(padded * out.itemsize), s, key, idx)
+            else:
+                raw = self._decompress(payload, None, s, key, idx)
             stored_dtype = np.dtype("int8") if le.encoding == "quant" else out.dtype
             delta = codec.deserialize(raw, (padded,), stored_dtype)[: out.size]
             codec.apply_into(out.reshape(rshape), delta.reshape(rshape), region, le)

@@ -27,7 +27,7 @@ from zarr.core.sync import sync
 from . import format as fmt
 from . import export as export_
 from . import retention
-from .codecs import CodecPolicy, Policy
+from .codecs import CodecPolicy, Compression, Policy
 from .errors import AmberError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError, StorageAccessError
 from .format import Manifest
 from .history import PARENTS, History, json_buffer
@@ -72,7 +72,8 @@ class Store:
             full step (reads touch two; deltas grow as training drifts).
         chunk_bytes: size of one chunk (the unit of lazy reads and of parallel compression).
         pack_threshold: tensors smaller than this (bytes) are packed into one object per step.
-        compression_level: zstd level of every chunk.
+        compressor, compression_level: blosc compressor (``"zstd"``, or ``"lz4"``: faster,
+            larger) and its level, for every stored chunk.
         verify_checksums: check each materialized chunk's crc32c on read (stored chunks are
             always checked before they are decoded).
         durable: make every data object durable (fsync) before the commit, on local disks.
@@ -97,6 +98,7 @@ class Store:
         base_policy: BasePolicy = "log",
         chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
         pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD,
+        compressor: str = "zstd",
         compression_level: int = 1,
         verify_checksums: bool = True,
         durable: bool = True,
@@ -116,7 +118,7 @@ class Store:
         self.base_policy: BasePolicy = base_policy
         self.chunk_bytes = chunk_bytes
         self.pack_threshold = pack_threshold
-        self.compression_level = compression_level
+        self.compression = Compression(compressor, compression_level)
         self.durable = durable
         self.progress = progress
         self.policy = Policy(codec)
@@ -374,7 +376,7 @@ class Store:
     def step_writer(self, group: str, pack_name: str = fmt.PACK_PREFIX, **kwargs: Any) -> StepWriter:
         """A writer of tensors into the attempt group ``group`` with this store's options."""
         return StepWriter(self._loc.store, group, chunk_bytes=self.chunk_bytes, pack_threshold=self.pack_threshold,
-                          level=self.compression_level, max_inflight_bytes=self._max_inflight, pack_name=pack_name,
+                          compression=self.compression, max_inflight_bytes=self._max_inflight, pack_name=pack_name,
                           **kwargs)
 
     async def open_group(self, group: str, step: int) -> None:

@@ -153,11 +153,40 @@ def stall(state: dict[str, Any], repeats: int, root: Path) -> dict[str, float]:
             "ratio": statistics.median(stalls) / statistics.median(copies)}
 
 
+def policies(state: dict[str, Any], full_every: int, root: Path) -> dict[str, dict[str, float]]:
+    """Bytes of one segment and the load time of its deepest step, per base policy (the same
+    trajectory for each), against torch.load of that step."""
+    out = {}
+    start = {k: t.clone() for k, t in enumerate(tensors(state))}
+    for policy in ("chain", "log", "full"):
+        for k, t in enumerate(tensors(state)):
+            t.copy_(start[k])
+        g = torch.Generator().manual_seed(2)
+        store = amber.open(root / policy, full_every=full_every, base_policy=policy, durable=False)
+        for pos in range(full_every):
+            if pos:
+                train_step(state, g)
+            store.save(pos, state)
+        torch.save(state, root / "last.pt")
+        depths = {s: len(store.info(s)["chain"]) for s in store.steps()}
+        deepest = max(depths, key=lambda s: (depths[s], s))
+        loads, ts = [], []
+        for _ in range(3):
+            ts.append(timed(lambda: torch.load(root / "last.pt", weights_only=True)))
+            loads.append(timed(lambda: amber.open(root / policy, mode="r").load(deepest, lazy=False)))
+        out[policy] = {"stored": sum(store.manifest(s).nbytes_stored for s in store.steps()),
+                       "deepest": depths[deepest], "load_s": statistics.median(loads),
+                       "load_vs_torch_load": statistics.median(loads) / statistics.median(ts)}
+        shutil.rmtree(root / policy)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=50, help="GPT-like model size, millions of parameters")
     p.add_argument("--small", type=int, default=2000, help="number of small tensors (50 MB in all)")
     p.add_argument("--full-every", type=int, default=10)
+    p.add_argument("--policy-params", type=float, default=20, help="model size of the base-policy comparison")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -167,6 +196,7 @@ def main() -> None:
         for name, state in (("gpt", gpt_state(args.params)), ("small", small_state(args.small))):
             results[name] = bench(name, state, args.full_every, args.repeats, root)
             results[name]["stall"] = stall(state, args.repeats, root)
+        policy_run = policies(gpt_state(args.policy_params), args.full_every, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"# Layout: save/load speed and footprint (format 3)\n\n{machine()}; full_every={args.full_every}, "
@@ -185,8 +215,15 @@ def main() -> None:
         s = r["stall"]
         print(f"save_async stall {s['save_async']:.3f} s vs bare copy {s['bare copy']:.3f} s "
               f"(**{s['ratio']:.2f}x**).\n")
+    print(f"## Base policies: one segment of {args.full_every} steps, GPT-like {args.policy_params:g}M params\n")
+    chain_bytes = policy_run["chain"]["stored"]
+    print(table(["base_policy", "stored MB", "vs chain", "objects read per tensor (deepest)",
+                 "load deepest, s", "vs torch.load"],
+                [[p, f"{r['stored'] / 1e6:.0f}", f"{r['stored'] / chain_bytes:.2f}x", r["deepest"],
+                  f"{r['load_s']:.3f}", f"{r['load_vs_torch_load']:.2f}x"] for p, r in policy_run.items()]))
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": None}, "results": results}, indent=1))
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": None}, "results": results,
+                                         "policies": policy_run}, indent=1))
 
 
 if __name__ == "__main__":
