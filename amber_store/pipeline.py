@@ -171,19 +171,21 @@ class StepWriter:
         array = None if packed else f"{self._group}/{fmt.array_name(key)}"
         entry = TensorEntry(name, list(shape), list(chunks), encoding, None if base is None else base.step,  # type: ignore[arg-type]
                             array, [], nbytes, params=None if delta is None else delta.params)
+        host = None
         if delta is not None:
             value, stored = delta.recon, delta.data
-        else:
-            host = to_bits(tensor).to("cpu")
-            value = self._recycle(key, host)
+        else:  # the raw bits on the host (a view for CPU tensors): XORed there, chunk by chunk
+            bits = to_bits(tensor)
+            host = bits_to_numpy(bits.to("cpu")).reshape(-1)
+            value = self._recycle(key, bits)
             if value is None:
-                value = torch.empty_like(host)
+                value = torch.empty(shape, dtype=bits.dtype)
             stored = None
         self._out.values[key] = value
         if packed:
-            self._add_packed(key, entry, tensor if delta is None else None, value, stored, base, codec)
+            self._add_packed(key, entry, host, value, stored, base, codec)
         else:
-            self._add_sharded(key, entry, tensor if delta is None else None, value, stored, base, codec)
+            self._add_sharded(key, entry, host, value, stored, base, codec)
 
     def _same(self, key: str, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], base: Base,
               nbytes: int) -> None:
@@ -191,11 +193,11 @@ class StepWriter:
                                              base.entry.crc32c, nbytes)
         self._out.values[key] = base.bits
 
-    def _add_packed(self, key: str, entry: TensorEntry, tensor: torch.Tensor | None, value: torch.Tensor,
+    def _add_packed(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor,
                     stored: np.ndarray | None, base: Base | None, codec: DeltaCodec) -> None:
         """A small tensor: its whole serialized delta (or value) joins the step's pack stream."""
-        if tensor is not None:  # lossless on the host: XOR here, copy into the new base
-            v = bits_to_numpy(to_bits(tensor).cpu()).reshape(-1)
+        if host is not None:  # lossless on the host: XOR here, copy into the new base
+            v = host
             new = bits_to_numpy(value).reshape(-1)
             np.copyto(new, v)
             entry.crc32c = [crc32c.crc32c(v)]
@@ -218,15 +220,15 @@ class StepWriter:
             self._pack_widths[width] = self._pack_widths.get(width, 0) + length
         self._out.entries[key] = entry
 
-    def _add_sharded(self, key: str, entry: TensorEntry, tensor: torch.Tensor | None, value: torch.Tensor,
+    def _add_sharded(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor,
                      stored: np.ndarray | None, base: Base | None, codec: DeltaCodec) -> None:
         shape, chunks = tuple(entry.shape), tuple(entry.chunks)
         runs = fmt.chunk_runs(shape, chunks)
         padded = int(np.prod(chunks))
         width = value.element_size()
         new = bits_to_numpy(value).reshape(-1)
-        if tensor is not None:
-            src = bits_to_numpy(to_bits(tensor).cpu()).reshape(-1)
+        if host is not None:
+            src = host
             ref = None if base is None else bits_to_numpy(base.bits).reshape(-1)
             jobs = [self._pool.submit(_lossless_chunk, src[a:b], None if ref is None else ref[a:b], new[a:b],
                                       padded, self._compression, width) for a, b in runs]
