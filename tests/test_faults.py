@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -262,3 +263,23 @@ def test_a_store_reopened_in_a_new_process_reads_everything_back(local_store, tm
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok 6"
+
+
+def test_every_object_of_a_step_is_fsynced_before_its_commit_is_written(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    root = tmp_path / "ckpt"
+    store = amber.open(root, pack_threshold=1024)
+    store.save(1, {"big": torch.randn(64, 64), "small": torch.randn(8)})
+    m = store.manifest(1)
+    objects = [str(root / fmt.shard_key(m.tensors["big"].array, 2)),
+               str(root / fmt.shard_key(m.packs["pack"]["array"], 1)),
+               str(root / m.group / "zarr.json"), str(root / m.group)]
+    commit = next(i for i, p in enumerate(synced) if "000000000001.json" in p)  # the manifest, written aside
+    assert all(p in synced[:commit] for p in objects), (objects, synced)
