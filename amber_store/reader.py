@@ -63,9 +63,9 @@ class Reader:
         shape, chunks = tuple(e.shape), tuple(e.chunks)
         region = fmt.whole(shape) if region is None else region
         check = self.verify if check is None else check
-        if m.legacy:
-            return await self._legacy.read(step, key, region, check)
         layers = await self.history.chain(step, key)
+        if any(le.legacy for _, le in layers):  # (a step folded by gc may mix both layouts)
+            return await self._legacy.read(step, key, region, check)
         dtype = bits_numpy_dtype(e.dtype)
         out = np.empty(tuple(r.stop - r.start for r in region), dtype=dtype)
         if out.size == 0:

@@ -118,3 +118,19 @@ def test_a_zarr_hierarchy_that_is_not_amber_store_is_refused(tmp_path, bad):
         json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {fmt.ROOT_ATTR: json.loads(bad)}}))
     with pytest.raises(amber.NotAnAmberStoreError):
         amber.open(tmp_path / "z", mode="r")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_gc_on_an_older_store_folds_its_steps_into_the_current_format_and_they_stay_exact(tmp_path, version):
+    copy = tmp_path / f"v{version}"
+    shutil.copytree(DATA / f"format-v{version}", copy)
+    before = amber.open(copy, mode="r").load(3, lazy=False)
+    store = amber.open(copy)
+    store.gc(keep_last=1)
+    m = amber.open(copy, mode="r").manifest(3)
+    assert m.format_version == fmt.FORMAT_VERSION and {e.legacy for e in m.tensors.values()} == {True, False}
+    assert_tree_bit_equal(amber.open(copy, mode="r").load(3, lazy=False), before)
+    state = {**before, "step": 4}
+    store.save(4, state)  # the first save after the upgrade: full, in the current format
+    assert store.manifest(4).kind == "full"
+    assert_tree_bit_equal(amber.open(copy, mode="r").load(4, lazy=False), state)
