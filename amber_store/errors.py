@@ -59,3 +59,10 @@ class CorruptDataError(AmberError):
         self.step = step
         self.tensor = tensor
         self.chunk = chunk
+
+    @classmethod
+    def at(cls, uri: str, step: int, tensor: str, what: str, chunk: tuple[int, ...] | None = None) -> "CorruptDataError":
+        """The error for damage found in ``tensor`` of ``step`` (and ``chunk``), its message
+        naming all of them."""
+        where = f"step {step}, tensor {tensor!r}" + ("" if chunk is None else f", chunk {chunk}")
+        return cls(f"{uri}: {where}: {what}", step=step, tensor=tensor, chunk=chunk)

@@ -28,8 +28,7 @@ class LegacyReader:
         self._arrays: dict[str, AsyncArray[Any]] = {}
 
     def _corrupt(self, step: int, key: str, what: str, chunk: tuple[int, ...] | None = None) -> CorruptDataError:
-        where = f"step {step}, tensor {key!r}" + ("" if chunk is None else f", chunk {chunk}")
-        return CorruptDataError(f"{self.history.uri}: {where}: {what}", step=step, tensor=key, chunk=chunk)
+        return CorruptDataError.at(self.history.uri, step, key, what, chunk)
 
     async def read(self, step: int, key: str, region: tuple[slice, ...], check: bool) -> np.ndarray:
         e = (await self.history.manifest(step)).tensors[key]

@@ -92,6 +92,17 @@ def _delta_chunk(codec: DeltaCodec, data: np.ndarray, recon: np.ndarray, padded:
     return compression.compress(codec.serialize(_padded(data, padded)), typesize, codec.shuffle), crc
 
 
+def _shard_index(blobs: list[bytes | None]) -> tuple[list[list[int] | None], int]:
+    """``[offset, nbytes]`` of each stored chunk when ``blobs`` are laid end to end (``None``:
+    not stored), and their total size."""
+    index: list[list[int] | None] = []
+    offset = 0
+    for blob in blobs:
+        index.append(None if blob is None else [offset, len(blob)])
+        offset += 0 if blob is None else len(blob)
+    return index, offset
+
+
 async def _running_loop() -> asyncio.AbstractEventLoop:
     return asyncio.get_running_loop()
 
@@ -158,15 +169,16 @@ class StepWriter:
         else:
             chunks = fmt.choose_chunks(shape, tensor.element_size(), self._chunk_bytes)
         codec = codec or XorDeltaCodec()
+        if base is not None:
+            codec = codec.with_base(base.step, base.entry.array or "")
         delta = None
         if base is not None and (tensor.device.type != "cpu" or not isinstance(codec, XorDeltaCodec)):
-            codec = codec.with_base(base.step, "")
             delta = codec.diff(tensor, base.bits, chunks)
             if delta is None:
                 self._same(key, name, shape, chunks, base, nbytes)
                 return
             if isinstance(codec, QuantizedDeltaCodec) and delta.params is None:
-                codec = XorDeltaCodec()  # non-finite values: the diff fell back to XOR
+                codec = XorDeltaCodec(base.step, base.entry.array or "")  # non-finite values: the diff fell back to XOR
         encoding = "full" if base is None else codec.encoding
         array = None if packed else f"{self._group}/{fmt.array_name(key)}"
         entry = TensorEntry(name, list(shape), list(chunks), encoding, None if base is None else base.step,  # type: ignore[arg-type]
@@ -237,9 +249,8 @@ class StepWriter:
             data = stored.reshape(-1)
             jobs = [self._pool.submit(_delta_chunk, codec, data[a:b], new[a:b], padded, self._compression, width)
                     for a, b in runs]
-        inner = self._compression.inner_codecs(
-            entry.dtype, None if base is None else codec.with_base(base.step, base.entry.array or ""))
-        data_type = bits_numpy_dtype(entry.dtype).name if not isinstance(codec, QuantizedDeltaCodec) or base is None else "int8"
+        inner = self._compression.inner_codecs(entry.dtype, None if base is None else codec)
+        data_type = (bits_numpy_dtype(entry.dtype) if base is None else codec.storage_dtype(entry.dtype)).name
         attrs = {"dtype": entry.dtype, "encoding": entry.encoding, "base_step": entry.base}
         self._out.arrays[fmt.array_name(key)] = fmt.sharded_array_metadata(shape, chunks, data_type, inner, attrs)
         self._encoding.append(_Pending(key, entry, jobs, entry.nbytes))
@@ -260,11 +271,7 @@ class StepWriter:
         self._reap(block=block)
 
     def _write_shard(self, p: _Pending, blobs: list[bytes | None]) -> None:
-        index: list[list[int] | None] = []
-        offset = 0
-        for blob in blobs:
-            index.append(None if blob is None else [offset, len(blob)])
-            offset += 0 if blob is None else len(blob)
+        index, offset = _shard_index(blobs)
         if p.entry.base is not None and offset == 0:  # nothing changed after all
             p.entry.encoding, p.entry.array, p.entry.params = "same", None, None
             self._out.arrays.pop(fmt.array_name(p.key), None)
@@ -311,11 +318,8 @@ class StepWriter:
         parts = [view[a: a + size] if a + size <= len(stream) else bytes(view[a:]) + bytes(a + size - len(stream))
                  for a in range(0, len(stream), size)]
         jobs = [self._pool.submit(self._compression.compress, part, typesize, True) for part in parts]
-        blobs = [j.result() for j in jobs]
-        index, offset = [], 0
-        for blob in blobs:
-            index.append([offset, len(blob)])
-            offset += len(blob)
+        blobs: list[bytes | None] = [j.result() for j in jobs]
+        index, _ = _shard_index(blobs)
         payload = b"".join(blobs + [fmt.shard_index(index)])
         name = self._pack_name
         array = f"{self._group}/{name}"

@@ -52,8 +52,7 @@ class Reader:
         return self.history.zstore
 
     def _corrupt(self, step: int, key: str, what: str, chunk: tuple[int, ...] | None = None) -> CorruptDataError:
-        where = f"step {step}, tensor {key!r}" + ("" if chunk is None else f", chunk {chunk}")
-        return CorruptDataError(f"{self.history.uri}: {where}: {what}", step=step, tensor=key, chunk=chunk)
+        return CorruptDataError.at(self.history.uri, step, key, what, chunk)
 
     async def read(self, step: int, key: str, region: tuple[slice, ...] | None = None, *,
                    session: ReadSession | None = None, check: bool | None = None) -> np.ndarray:
@@ -156,8 +155,7 @@ class Reader:
                 raw = self._decompress(payload, scratch(padded * out.itemsize), s, key, idx)
             else:
                 raw = self._decompress(payload, None, s, key, idx)
-            stored_dtype = np.dtype("int8") if le.encoding == "quant" else out.dtype
-            delta = codec.deserialize(raw, (padded,), stored_dtype)[: out.size]
+            delta = codec.deserialize(raw, (padded,), codec.storage_dtype(le.dtype))[: out.size]
             codec.apply_into(out.reshape(rshape), delta.reshape(rshape), region, le)
         if check and crc32c.crc32c(out) != e.crc32c[flat]:
             raise self._corrupt(step, key, "checksum mismatch (materialized data differs from what was saved)", idx)
