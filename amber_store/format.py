@@ -26,8 +26,6 @@ FORMAT_NAME = "amber-store"
 # 3: few objects per step: small tensors packed, one sharded object per large tensor, array
 # metadata consolidated into the step group, chunk offsets in the manifest.
 FORMAT_VERSION = 3
-# Manifests of these versions hold one zarr array (with its own zarr.json) per tensor.
-LEGACY_VERSIONS = (1, 2)
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
 STEPS_DIR = "steps"
@@ -408,11 +406,6 @@ class Manifest:
     # segment since the last full step (position ``depth`` is this step), for base policies.
     packs: dict[str, Any] = field(default_factory=dict)
     segment: list[int] = field(default_factory=list)
-
-    @property
-    def legacy(self) -> bool:
-        """Whether this step's tensors are one zarr array each (format versions 1 and 2)."""
-        return self.format_version in LEGACY_VERSIONS
 
     @property
     def nbytes_raw(self) -> int:

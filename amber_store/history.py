@@ -153,8 +153,8 @@ class History:
         step takes position ``depth + 1`` and diffs against the step at its policy's parent
         position, or, if retention deleted that one, the closest kept step before it.
         """
-        if prev is None or full is True or prev.legacy or len(prev.segment) != prev.depth + 1:
-            return None
+        if prev is None or full is True or len(prev.segment) != prev.depth + 1:
+            return None  # (steps of formats 1-2 record no segment: the next save is full)
         position = prev.depth + 1
         if full is None and position >= full_every:
             return None
