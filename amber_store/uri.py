@@ -115,7 +115,8 @@ async def put_if_absent(loc: Location, key: str, data: bytes) -> bool:
 
     Atomic where the backend allows: a local file is written aside and hard-linked into place
     (link fails if the name exists, and readers never see a partial file); S3 uses a
-    conditional PUT (``If-None-Match: *``), which AWS S3, MinIO and moto honour. Other
+    conditional PUT (``If-None-Match: *``), which AWS S3, MinIO, SeaweedFS and moto honour: a 412
+    answer means it existed, whatever the error body says. Other
     backends fall back to zarr's check-then-set, which two racing writers can both pass.
     """
     if loc.scheme == "file":
@@ -125,11 +126,25 @@ async def put_if_absent(loc: Location, key: str, data: bytes) -> bool:
             await loc.fs._pipe_file(f"{loc.path}/{key}", data, mode="create")
         except FileExistsError:
             return False
+        except OSError as e:
+            if _precondition_failed(e):
+                return False
+            raise
         return True
     buf = default_buffer_prototype().buffer.from_bytes(data)
     await loc.store.set_if_not_exists(key, buf)
     stored = await loc.store.get(key, default_buffer_prototype())
     return stored is not None and stored.to_bytes() == data
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether an S3 error is a 412 to a conditional PUT: the object exists. s3fs maps it to
+    FileExistsError only when the error body names the condition, which SeaweedFS's and MinIO's
+    do not (it then raises OSError(EINVAL) from botocore's ClientError)."""
+    cause = e.__cause__ or e.__context__
+    response = getattr(cause, "response", None) or {}
+    return (response.get("Error", {}).get("Code") == "PreconditionFailed"
+            or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
 
 
 async def put_atomic(loc: Location, key: str, data: bytes) -> None:

@@ -17,6 +17,7 @@ from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
 from amber_store import format as fmt
+from amber_store.uri import put_if_absent
 from conftest import flip_stored_byte, is_data_key, assert_bit_equal, assert_tree_bit_equal
 
 
@@ -234,8 +235,6 @@ def test_commit_objects_are_created_exclusively_under_racing_writers(make_store)
 
     from zarr.core.sync import sync
 
-    from amber_store.uri import put_if_absent
-
     store = make_store()
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: sync(put_if_absent(store._loc, "commits/race.json", b"%d" % i)), range(8)))
@@ -283,3 +282,26 @@ def test_every_object_of_a_step_is_fsynced_before_its_commit_is_written(tmp_path
                str(root / m.group / "zarr.json"), str(root / m.group)]
     commit = next(i for i, p in enumerate(synced) if "000000000001.json" in p)  # the manifest, written aside
     assert all(p in synced[:commit] for p in objects), (objects, synced)
+
+
+def test_a_412_without_a_condition_in_its_body_means_the_commit_object_exists():
+    # SeaweedFS and MinIO answer a losing If-None-Match PUT with 412 and no <Condition>; s3fs then
+    # raises OSError(EINVAL) from botocore's ClientError, not FileExistsError (seen on SeaweedFS).
+    from botocore.exceptions import ClientError
+
+    from amber_store.uri import Location
+
+    class LosingS3:
+        async def _pipe_file(self, path, data, mode):
+            error = ClientError({"Error": {"Code": "PreconditionFailed", "Message": "At least one of the "
+                                           "pre-conditions you specified did not hold"},
+                                 "ResponseMetadata": {"HTTPStatusCode": 412}}, "PutObject")
+            raise OSError(22, "At least one of the pre-conditions you specified did not hold") from error
+
+    class BrokenS3:
+        async def _pipe_file(self, path, data, mode):
+            raise OSError(5, "connection reset")
+
+    assert asyncio.run(put_if_absent(Location(None, "s3://b/x", "s3", LosingS3(), "b/x"), "k", b"m")) is False
+    with pytest.raises(OSError, match="connection reset"):
+        asyncio.run(put_if_absent(Location(None, "s3://b/x", "s3", BrokenS3(), "b/x"), "k", b"m"))
