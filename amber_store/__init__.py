@@ -19,6 +19,7 @@ from .errors import (
     StepNotFoundError,
     StepOrderError,
     StorageAccessError,
+    UnsafeStorageError,
     UnsupportedStateError,
 )
 from .format import FORMAT_VERSION
@@ -48,6 +49,7 @@ __all__ = [
     "StepNotFoundError",
     "StepOrderError",
     "StorageAccessError",
+    "UnsafeStorageError",
     "Store",
     "UnsupportedStateError",
     "XorDeltaCodec",

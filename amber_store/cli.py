@@ -25,7 +25,8 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
 def _open(args: argparse.Namespace, mode: str = "r") -> Any:
     import amber_store as amber
 
-    return amber.open(args.uri, _storage_options(args), mode=mode, progress=not args.json)
+    return amber.open(args.uri, _storage_options(args), mode=mode, progress=not args.json,
+                      single_writer=args.single_writer)
 
 
 def _human(n: float) -> str:
@@ -164,6 +165,9 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 for MinIO")
             sp.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                             help="fsspec storage option (repeatable)")
+            sp.add_argument("--single-writer", action="store_true",
+                            help="S3: write even to a server that ignores conditional writes (If-None-Match); "
+                                 "only when nothing else writes the store meanwhile")
         sp.add_argument("--json", action="store_true", help="machine-readable output, no progress bars")
         return sp
 

@@ -19,6 +19,11 @@ class StorageAccessError(AmberError, OSError):
     """The storage backend cannot be reached, or refuses the credentials, or lacks the bucket."""
 
 
+class UnsafeStorageError(AmberError):
+    """The storage works but cannot make a commit exclusive (an S3 server that ignores
+    conditional writes), so concurrent writers could overwrite each other's steps."""
+
+
 class NotAnAmberStoreError(AmberError):
     """The location holds data that is not an amber-store hierarchy (or none, in read mode)."""
 

@@ -19,7 +19,7 @@ from zarr.core.buffer import Buffer, default_buffer_prototype
 from . import format as fmt
 from .errors import ConcurrentWriterError, FormatVersionError, NotAnAmberStoreError, StepNotFoundError
 from .format import Manifest, TensorEntry
-from .uri import Location, put_atomic, put_if_absent
+from .uri import Location, put_atomic, put_if_absent, storage_errors
 
 PINS_DIR = "pins"
 
@@ -85,7 +85,8 @@ class History:
     # --- steps and manifests ------------------------------------------------------------
 
     async def steps(self) -> list[int]:
-        names = [n async for n in self.zstore.list_dir(fmt.COMMITS_DIR)]
+        with storage_errors(self.uri, "listing the committed steps"):
+            names = [n async for n in self.zstore.list_dir(fmt.COMMITS_DIR)]
         return sorted(s for s in map(fmt.parse_commit_key, names) if s is not None)
 
     async def manifest(self, step: int) -> Manifest:
@@ -100,7 +101,8 @@ class History:
             raise
 
     async def _read_manifest(self, step: int) -> Manifest:
-        raw = await self.zstore.get(fmt.commit_key(step), default_buffer_prototype())
+        with storage_errors(self.uri, f"reading the manifest of step {step}"):
+            raw = await self.zstore.get(fmt.commit_key(step), default_buffer_prototype())
         if raw is None:
             known = await self.steps()
             hint = f"committed steps: {known[:5]}{'...' if len(known) > 5 else ''}" if known else "the store is empty"
@@ -191,10 +193,15 @@ class History:
         """Refuse to save once another writer has committed after this one.
 
         A writer that has not committed yet may continue any run (a resumed job); once it has,
-        the newest step must stay its own, or two jobs are interleaving one history.
+        the newest step must stay its own, or two jobs are interleaving one history. A newer
+        step of this very writer is a commit whose answer was lost (the server crashed or the
+        connection dropped after storing it): it is adopted.
         """
         if self.last_commit is not None and latest != self.last_commit:
             other = (await self.manifest(latest)).writer if latest is not None else "?"
+            if other == self.writer_id and latest is not None and latest > self.last_commit:
+                self.last_commit = latest
+                return
             raise ConcurrentWriterError(
                 f"{self.uri}: step {latest} was committed by another writer ({other}) after this "
                 f"writer's ({self.writer_id}) step {self.last_commit}; two jobs are writing one store"

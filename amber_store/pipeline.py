@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -121,14 +122,18 @@ class StepWriter:
     """Encodes and writes the tensors of one step into the attempt group ``group``.
 
     ``add`` each tensor, then ``finish``; ``close`` always (it lets writes in flight settle).
-    ``recycle(key, like)`` may hand back a free host buffer for a tensor's new base bits.
+    ``recycle(key, like)`` may hand back a free host buffer for a tensor's new base bits. Past
+    ``deadline`` (``time.monotonic()``), waiting for writes raises :class:`TimeoutError` and
+    ``close`` cancels the writes still in flight.
     """
 
     def __init__(self, zstore: ZarrStore, group: str, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
                  pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD, compression: Compression = Compression(),
                  pack_name: str = fmt.PACK_PREFIX, max_inflight_bytes: int = 1 << 30,
-                 recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None) -> None:
+                 recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+                 deadline: float | None = None) -> None:
         self._zstore = zstore
+        self._deadline = deadline
         self._group = group
         self._chunk_bytes = chunk_bytes
         self._pack_threshold = pack_threshold
@@ -302,7 +307,9 @@ class StepWriter:
             if not done:
                 if not (block and self._inflight > self._max_inflight):
                     return
-                done, _ = wait(list(self._writes), return_when=FIRST_COMPLETED)
+                done, _ = wait(list(self._writes), timeout=self._time_left(), return_when=FIRST_COMPLETED)
+                if not done:
+                    raise TimeoutError(f"{len(self._writes)} writes still unanswered at the save's deadline")
             for f in done:
                 self._inflight -= self._writes.pop(f)
                 f.result()
@@ -343,10 +350,17 @@ class StepWriter:
         return self._out
 
     def close(self) -> None:
-        """Let chunk jobs and writes still in flight settle (after an error elsewhere)."""
-        wait([f for p in self._encoding for f in p.chunks] + list(self._writes))
+        """Let chunk jobs and writes still in flight settle (after an error elsewhere); cancel
+        the writes past the deadline."""
+        wait([f for p in self._encoding for f in p.chunks])
+        _, late = wait(list(self._writes), timeout=self._time_left())
+        for f in late:
+            f.cancel()
         self._encoding.clear()
         self._writes.clear()
+
+    def _time_left(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
 
 class BaseCache:

@@ -26,6 +26,7 @@ from .codecs import DELTA_ENCODINGS, codec_pool, decompress, scratch
 from .errors import CorruptDataError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
 from .history import History
+from .uri import storage_errors
 
 # Chunks below this are decoded on the event loop: a thread hop costs more than the work.
 _INLINE_BYTES = 64 << 10
@@ -57,6 +58,11 @@ class Reader:
     async def read(self, step: int, key: str, region: tuple[slice, ...] | None = None, *,
                    session: ReadSession | None = None, check: bool | None = None) -> np.ndarray:
         """Raw bits of ``key`` at ``step`` over a chunk-aligned ``region`` (``None``: all)."""
+        with storage_errors(self.history.uri, f"reading step {step}, tensor {key!r}"):
+            return await self._read(step, key, region, session, check)
+
+    async def _read(self, step: int, key: str, region: tuple[slice, ...] | None, session: ReadSession | None,
+                    check: bool | None) -> np.ndarray:
         m = await self.history.manifest(step)
         e = m.tensors[key]
         shape, chunks = tuple(e.shape), tuple(e.chunks)

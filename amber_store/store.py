@@ -35,9 +35,12 @@ from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written
 from .reader import Reader, ReadSession
 from .retention import GCReport
-from .uri import Location, make_durable, probe, resolve
+from .uri import Location, is_storage_error, make_durable, probe, require_conditional_writes, resolve
 
 Mode = Literal["r", "a", "w"]
+#: save_timeout="auto": this many seconds, plus one per AUTO_TIMEOUT_RATE bytes of state.
+AUTO_TIMEOUT_SECONDS = 300.0
+AUTO_TIMEOUT_RATE = 20e6
 BasePolicy = Literal["log", "chain", "full"]
 
 
@@ -87,6 +90,15 @@ class Store:
             deltas encoded on the host) or ``"device"`` (the tensors' device; deltas encoded
             there, one more copy of the state in device memory).
         max_inflight_bytes: bound on tensor bytes encoded but not yet written.
+        save_timeout: seconds a save may take until its data is written and sealed, after which
+            it fails with :class:`StorageAccessError` (nothing committed; the next save may go
+            on), so a hung storage server cannot hang training. ``"auto"`` (default): 300 s plus
+            1 s per 20 MB of state; ``None``: no deadline. Every S3 request is bounded as well
+            (:data:`amber_store.uri.S3_TIMEOUTS`).
+        single_writer: on S3, skip the check at ``open`` that the server honours conditional
+            writes (``If-None-Match``), which keep two writers from both committing one step.
+            Set it only for a server without them (rclone, MinIO before late 2024) and a store
+            that one process writes at a time.
     """
 
     def __init__(
@@ -107,11 +119,15 @@ class Store:
         codec: CodecPolicy = "xor",
         max_pending: int = 1,
         snapshot: str = "host",
+        save_timeout: float | Literal["auto"] | None = "auto",
+        single_writer: bool = False,
     ) -> None:
         if full_every < 1:
             raise ValueError("full_every must be >= 1")
         if base_policy not in PARENTS:
             raise ValueError(f"base_policy must be one of {sorted(PARENTS)}, not {base_policy!r}")
+        if not (save_timeout in ("auto", None) or (isinstance(save_timeout, (int, float)) and save_timeout > 0)):
+            raise ValueError(f"save_timeout must be 'auto', None or a positive number of seconds, not {save_timeout!r}")
         self._loc = location
         self.mode: Mode = mode
         self.full_every = full_every
@@ -122,6 +138,8 @@ class Store:
         self.durable = durable
         self.progress = progress
         self.policy = Policy(codec)
+        self.save_timeout = save_timeout
+        self.single_writer = single_writer
         self._max_inflight = max_inflight_bytes
         self.history = History(location, location.store)
         self.reader = Reader(self.history, verify=verify_checksums)
@@ -146,6 +164,13 @@ class Store:
         return f"amber_store.Store({self.uri!r}, mode={self.mode!r})"
 
     async def _init_root(self) -> None:
+        await self._create_root()
+        if self.mode != "r" and not self.single_writer:
+            # Inside the store's prefix, and only once it holds the root: some servers
+            # (SeaweedFS) leave an empty folder marker behind the deleted probe object.
+            await require_conditional_writes(self._loc)
+
+    async def _create_root(self) -> None:
         zstore = self._loc.store
         version = await self.history.root_version()
         if version is not None and self.mode != "w":
@@ -172,10 +197,7 @@ class Store:
     def _release(self) -> None:
         self.bases.clear()
         self.history.forget()
-        client = getattr(self._loc.fs, "_s3", None)
-        if client is not None:
-            sync(client.close())
-            self._loc.fs._s3 = None
+        self._loc.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -304,7 +326,7 @@ class Store:
         try:
             manifest = sync(self._save(step, tree, tensors, full, t0))
         except Exception as e:
-            if isinstance(e, AmberError) or not _is_storage_error(e):
+            if isinstance(e, AmberError) or not is_storage_error(e):
                 raise
             raise StorageAccessError(
                 f"{self.uri}: saving step {step} failed, the step is not committed and earlier steps "
@@ -313,8 +335,35 @@ class Store:
         return CommitInfo(step, manifest.kind, manifest.base, manifest.nbytes_raw, manifest.nbytes_stored,
                           time.perf_counter() - t0)
 
+    def _timeout(self, tensors: dict[str, torch.Tensor]) -> float | None:
+        if self.save_timeout == "auto":
+            return AUTO_TIMEOUT_SECONDS + sum(t.nbytes for t in tensors.values()) / AUTO_TIMEOUT_RATE
+        return self.save_timeout
+
     async def _save(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
                     t0: float) -> Manifest:
+        timeout = self._timeout(tensors)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            manifest, latest, values = await asyncio.wait_for(self._stage(step, tree, tensors, full, t0, deadline), timeout)
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            if deadline is None or time.monotonic() < deadline:
+                raise  # one request's own timeout
+            raise StorageAccessError(
+                f"{self.uri}: saving step {step} did not finish within save_timeout={timeout:.0f} s (is the "
+                "storage answering?); the step is not committed and earlier steps are untouched"
+            ) from e
+        # Not under the deadline: once sent, a commit's outcome must be learnt, not abandoned
+        # (a retried create that finds its own manifest is a success).
+        await self.history.commit(manifest, latest)
+        self.bases.put(step, values)
+        self.bases.keep(self.live_bases(manifest))
+        return manifest
+
+    async def _stage(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
+                     t0: float, deadline: float | None) -> tuple[Manifest, int | None, dict[str, torch.Tensor]]:
+        """Write and seal everything of the step but its commit; returns its manifest, the
+        latest step seen before, and the step's values as later deltas' bases."""
         history = self.history
         steps = await history.steps()
         latest = steps[-1] if steps else None
@@ -326,7 +375,14 @@ class Store:
         base = await history.manifest(base_step) if base_step is not None else None
         group = fmt.step_group(step, uuid.uuid4().hex[:8])
         await self.open_group(group, step)
-        written = await asyncio.to_thread(self._write_tensors, group, step, tensors, base)
+        job = asyncio.ensure_future(asyncio.to_thread(self._write_tensors, group, step, tensors, base, deadline))
+        try:
+            written = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            # The deadline passed: the writer thread stops at the same deadline; wait for it,
+            # so no write of this attempt outlives the failed save.
+            await asyncio.wait([job])
+            raise
         created = await self.seal(group, step, written)
         if self._root_version != fmt.FORMAT_VERSION:
             await history.write_root()  # an older store now holds steps of this version
@@ -347,10 +403,7 @@ class Store:
             packs=written.packs,
             segment=[step] if base is None else prev.segment + [step],  # type: ignore[union-attr]
         )
-        await history.commit(manifest, latest)
-        self.bases.put(step, written.values)
-        self.bases.keep(self.live_bases(manifest))
-        return manifest
+        return manifest, latest, written.values
 
     def live_bases(self, m: Manifest) -> set[int]:
         """Steps of ``m``'s segment that a later save may diff against."""
@@ -359,10 +412,10 @@ class Store:
         return {m.segment[q] for q in {parent(r) for r in range(m.depth + 1, horizon)} if 0 <= q <= m.depth}
 
     def _write_tensors(self, group: str, step: int, tensors: dict[str, torch.Tensor],
-                       base: Manifest | None) -> Written:
+                       base: Manifest | None, deadline: float | None = None) -> Written:
         """Encode and write every tensor into ``group`` (on a worker thread, so the event loop
-        stays free for the writes)."""
-        writer = self.step_writer(group, recycle=self.bases.recycle)
+        stays free for the writes), giving up at ``deadline`` (``time.monotonic()``)."""
+        writer = self.step_writer(group, recycle=self.bases.recycle, deadline=deadline)
         refs = self.bases_for(base, list(tensors)) if base is not None else {}
         try:
             items = tqdm(tensors.items(), desc=f"save {step}", unit="tensor", disable=not self.progress)
@@ -521,12 +574,6 @@ class Store:
         m = self.manifest(step)
         lazy_sd = fmt.unflatten(m.tree, lambda key: LazyTensor(self.reader, step, key, m.tensors[key]), LazyStateDict)
         return lazy_sd if lazy else materialize(lazy_sd, device)
-
-
-def _is_storage_error(e: BaseException) -> bool:
-    """I/O failures (disk, network, the object store's answers), as opposed to bugs."""
-    return isinstance(e, (OSError, TimeoutError)) or type(e).__module__.split(".")[0] in (
-        "botocore", "aiobotocore", "aiohttp", "s3fs")
 
 
 def open(

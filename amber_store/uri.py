@@ -5,29 +5,49 @@
 ``s3://bucket/prefix`` (and any other fsspec protocol that is installed): zarr's FsspecStore on
 an asynchronous fsspec filesystem. :func:`probe` checks reachability at ``open`` time so that a
 wrong URI, bucket or credential fails there, with a message that names the URI and never the
-secrets.
+secrets; :func:`require_conditional_writes` checks that an S3 server can make a commit exclusive.
+
+Every S3 request is bounded (:data:`S3_TIMEOUTS`): a hung server fails a request instead of
+hanging it, and the store's connections are closed at exit even if nobody calls ``close``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import threading
 import uuid
+import weakref
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 import fsspec
 from zarr.abc.store import Store
 from zarr.core.buffer import Buffer, default_buffer_prototype
+from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
-from .errors import InvalidURIError, NotAnAmberStoreError, StorageAccessError
+from .errors import AmberError, InvalidURIError, NotAnAmberStoreError, StorageAccessError, UnsafeStorageError
 
 _MEMORY: dict[str, dict[str, Buffer]] = {}
 _MEMORY_LOCK = threading.Lock()
+
+#: Defaults for every S3 request (botocore ``Config`` keys; ``storage_options["config_kwargs"]``
+#: overrides them). A read from a server that stops answering fails after at most
+#: ``S3_RETRIES * max_attempts * read_timeout`` (90 s) instead of never; a save has its own,
+#: overall deadline on top (``Store(save_timeout=...)``). ``read_timeout`` bounds the silence
+#: between bytes, not a whole transfer.
+S3_TIMEOUTS: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 15,
+                               "retries": {"max_attempts": 3, "mode": "standard"}}
+#: s3fs's own attempts at a request that timed out or lost its connection, around botocore's.
+S3_RETRIES = 2
+
+# Whether each S3 endpoint enforces If-None-Match (checked once per process).
+_CONDITIONAL: dict[str, bool] = {}
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,48 @@ class Location:
     scheme: str
     fs: Any = None
     path: str = ""
+
+    @property
+    def endpoint(self) -> str:
+        """The server behind an S3 location, as messages name it."""
+        return (getattr(self.fs, "client_kwargs", None) or {}).get("endpoint_url") or "AWS S3"
+
+    def close(self) -> None:
+        """Close the storage client's connections (the next request opens new ones)."""
+        _close_fs(self.fs)
+
+
+# S3 filesystems with a client session, closed at exit. This hook is registered after zarr's
+# (amber_store imports zarr first), so it runs while zarr's event loop, which the sessions
+# live on, still runs.
+_SESSIONS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_sessions() -> None:
+    for fs in list(_SESSIONS):
+        _close_fs(fs)
+
+
+def _close_fs(fs: Any) -> None:
+    client = getattr(fs, "_s3", None)
+    if client is not None:
+        fs._s3 = None
+        with suppress(Exception):
+            sync(client.close(), timeout=10)
+
+
+def _close_client(client: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Close an aiobotocore client on its event loop; from that loop's own thread (a finalizer
+    run by the garbage collector there) schedule it instead of waiting on itself."""
+    if loop.is_closed() or not loop.is_running():
+        return
+    fut = asyncio.run_coroutine_threadsafe(client.close(), loop)
+    with suppress(RuntimeError):
+        if asyncio.get_running_loop() is loop:
+            return
+    with suppress(Exception):
+        fut.result(timeout=10)
 
 
 def _s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +116,7 @@ def _s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
     if region:
         client_kwargs.setdefault("region_name", region)
     opts["client_kwargs"] = client_kwargs
-    config_kwargs = dict(opts.pop("config_kwargs", {}) or {})
+    config_kwargs = {**S3_TIMEOUTS, **(opts.pop("config_kwargs", {}) or {})}
     if endpoint:
         # MinIO and other S3-compatible servers want path-style addressing.
         config_kwargs.setdefault("s3", {"addressing_style": "path"})
@@ -107,6 +169,8 @@ def resolve(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None 
         store = FsspecStore.from_url(text, storage_options=storage_options, read_only=read_only)
     except (TypeError, ValueError, ImportError) as e:
         raise InvalidURIError(f"{text}: cannot create a {scheme} filesystem: {e}") from None
+    if scheme == "s3":
+        store.fs.retries = S3_RETRIES  # a class attribute of s3fs (5), not a constructor option
     return Location(store, text, scheme, fs=store.fs, path=store.path)
 
 
@@ -115,7 +179,7 @@ async def put_if_absent(loc: Location, key: str, data: bytes) -> bool:
 
     Atomic where the backend allows: a local file is written aside and hard-linked into place
     (link fails if the name exists, and readers never see a partial file); S3 uses a
-    conditional PUT (``If-None-Match: *``), which AWS S3, MinIO, SeaweedFS and moto honour: a 412
+    conditional PUT (``If-None-Match: *``), which AWS S3, MinIO and SeaweedFS honour: a 412
     answer means it existed, whatever the error body says. Other
     backends fall back to zarr's check-then-set, which two racing writers can both pass.
     """
@@ -207,6 +271,32 @@ def _replace_into_place(path: Path, data: bytes) -> None:
     os.replace(_write_aside(path, data), path)
 
 
+async def require_conditional_writes(loc: Location) -> None:
+    """Refuse an S3 server that ignores ``If-None-Match: *``: there, two writers could both
+    "create" a step's commit and one would silently overwrite the other's. Checked once per
+    endpoint and process, by creating a probe object twice the way a commit is created."""
+    if loc.scheme != "s3":
+        return
+    endpoint = loc.endpoint
+    if endpoint not in _CONDITIONAL:
+        key = f".amber-probe-{uuid.uuid4().hex}"
+        try:
+            await put_if_absent(loc, key, b"first")
+            _CONDITIONAL[endpoint] = not await put_if_absent(loc, key, b"second")
+        except (PermissionError, FileNotFoundError) as e:
+            raise StorageAccessError(f"{loc.uri}: cannot write here ({_reason(e)})") from None
+        finally:
+            with suppress(FileNotFoundError):
+                await loc.fs._rm_file(f"{loc.path}/{key}")
+    if not _CONDITIONAL[endpoint]:
+        raise UnsafeStorageError(
+            f"{loc.uri}: the S3 server at {endpoint} ignores conditional writes (If-None-Match: *), so "
+            "two writers could both commit one step and overwrite each other; use a server that "
+            "honours them (AWS S3, MinIO since RELEASE.2024-11, SeaweedFS), or, if this store is only "
+            "ever written by one process at a time, open it with single_writer=True"
+        )
+
+
 async def probe(loc: Location) -> None:
     """Fail now, with a clear message, if the location's storage cannot be used."""
     if loc.scheme == "file" and loc.store.read_only and not Path(loc.path).is_dir():
@@ -223,6 +313,33 @@ async def probe(loc: Location) -> None:
         raise StorageAccessError(f"{loc.uri}: access denied; check the credentials ({_reason(e)})") from None
     except Exception as e:  # botocore, aiohttp and socket errors share no base class
         raise StorageAccessError(f"{loc.uri}: storage not usable: {_reason(e)}") from None
+    finally:
+        if getattr(loc.fs, "_s3", None) is not None:
+            # Close the client's connections when the filesystem goes, or at exit: aiohttp
+            # warns about every session still open then.
+            weakref.finalize(loc.fs, _close_client, loc.fs._s3, asyncio.get_running_loop()).atexit = False
+            _SESSIONS.add(loc.fs)
+
+
+def is_storage_error(e: BaseException) -> bool:
+    """I/O failures (disk, network, the object store's answers), as opposed to bugs."""
+    return isinstance(e, (OSError, TimeoutError, asyncio.TimeoutError)) or type(e).__module__.split(".")[0] in (
+        "botocore", "aiobotocore", "aiohttp", "s3fs")
+
+
+@contextmanager
+def storage_errors(uri: str, doing: str) -> Iterator[None]:
+    """Turn an I/O failure inside the block into a :class:`StorageAccessError` saying what was
+    being done where (botocore, aiohttp and OS errors share no base class); amber-store's own
+    errors and bugs pass through."""
+    try:
+        yield
+    except AmberError:
+        raise
+    except Exception as e:
+        if not is_storage_error(e):
+            raise
+        raise StorageAccessError(f"{uri}: {doing} failed ({_reason(e)})") from e
 
 
 def _reason(e: BaseException) -> str:

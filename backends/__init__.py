@@ -1,1 +1,2 @@
-"""Storage services amber-store runs against: MinIO (docker compose) and a loopback S3 server."""
+"""Storage services amber-store runs against: real S3 servers as local processes (SeaweedFS,
+rclone) and MinIO (docker compose)."""

@@ -142,6 +142,8 @@ def main() -> None:
     training_md, training = run("training", *train_args)
     frozen_md, frozen = run("training-frozen", *train_args, "--freeze")
     throughput_md, _ = run("throughput", "--mb", "32" if args.quick else "96", "--repeats", "3")
+    faults_md, _ = run("s3_faults", *(["--kills", "3", "--freezes", "2", "--races", "3"] if args.quick
+                                      else ["--kills", "10", "--freezes", "3", "--races", "10"]))
     load_md, _ = run("load_bench", "--mb", "32" if args.quick else "64")
     dcp_md, _ = run("dcp_bench", *(["--width", "128", "--layers", "2", "--warmup", "30"] if args.quick else []))
     codecs_md, _ = run("codecs_bench", "--mb", "32" if args.quick else "64")
@@ -213,9 +215,13 @@ Where amber-store loses:
 
 {frozen_md}
 
-## Local directory vs loopback S3
+## Local directory vs a real S3 server (SeaweedFS), vs torch.save
 
 {throughput_md}
+
+## Faults on a real S3 server: kills, freezes, racing writers
+
+{faults_md}
 
 ## Loading: latest, historical, one tensor lazily
 

@@ -1,9 +1,11 @@
-"""Save and load throughput of amber-store: local directory vs loopback S3, vs torch.save.
+"""Save and load throughput: amber-store on a local directory and on a real S3 server
+(SeaweedFS, started here), vs torch.save to a local file and to the same S3 server.
 
 The same state dict (float32 tensors shaped like a transformer's weights and Adam moments) is
 saved full, then as a delta after a small update to every element, then the delta step is
-loaded back, on each backend; each figure is the median (and range) of ``--repeats`` runs.
-MB/s counts raw tensor bytes (what the training job hands over), not stored bytes.
+loaded back. Each repeat runs every method once, in rotating order (this machine is shared and
+noisy), and each figure is the median (and range) over repeats. MB/s counts raw tensor bytes
+(what the training job hands over), not stored bytes.
 
     python benchmarks/throughput.py --mb 256 --repeats 3
 """
@@ -11,19 +13,21 @@ MB/s counts raw tensor bytes (what the training job hands over), not stored byte
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shutil
 import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
-from backends.loopback_s3 import LoopbackS3  # noqa: E402
+from backends.s3servers import SeaweedFS  # noqa: E402
 from benchmarks.common import clock, machine, median_rate, rate, table  # noqa: E402
 
 
@@ -43,23 +47,41 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def bench_amber(uri: str, opts: dict | None, state: dict, updated: dict, repeats: int) -> dict:
-    full, delta, load = [], [], []
-    for _ in range(repeats):
-        with amber.open(uri, opts, mode="w") as store:
-            t, full_info = clock(lambda: store.save(1, state))
-            full.append(t)
-            t, delta_info = clock(lambda: store.save(2, updated))
-            delta.append(t)
-        with amber.open(uri, opts, mode="r") as reader:
-            load.append(clock(lambda: reader.load(2, lazy=False))[0])
-    return {"full": full, "delta": delta, "load": load, "full_ratio": full_info.ratio, "delta_ratio": delta_info.ratio}
+def amber_run(uri: Callable[[], str], opts: dict | None, state: dict, updated: dict) -> dict[str, Any]:
+    """One full save, one delta save, one load of the delta step, into a fresh store."""
+    where = uri()
+    with amber.open(where, opts, mode="w") as store:
+        full, full_info = clock(lambda: store.save(1, state))
+        delta, delta_info = clock(lambda: store.save(2, updated))
+    with amber.open(where, opts, mode="r") as reader:
+        load = clock(lambda: reader.load(2, lazy=False))[0]
+    return {"full": full, "delta": delta, "load": load, "full_ratio": full_info.ratio,
+            "delta_ratio": delta_info.ratio}
 
 
-def bench_torch_save(path: Path, state: dict, repeats: int) -> dict:
-    save = [clock(lambda: torch.save(state, path))[0] for _ in range(repeats)]
-    load = [clock(lambda: torch.load(path))[0] for _ in range(repeats)]
+def torch_file_run(path: Path, state: dict) -> dict[str, Any]:
+    save = clock(lambda: torch.save(state, path))[0]
+    load = clock(lambda: torch.load(path))[0]
     return {"full": save, "delta": save, "load": load, "full_ratio": 1.0, "delta_ratio": 1.0}
+
+
+def torch_s3_run(server: SeaweedFS, state: dict) -> dict[str, Any]:
+    """torch.save into memory and one PUT; one GET and torch.load (what a job does without
+    amber-store)."""
+    client, key = server.client(), f"torch/{uuid.uuid4().hex}.pt"
+
+    def save() -> None:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        client.put_object(Bucket="bench", Key=key, Body=buf.getvalue())
+
+    def load() -> Any:
+        return torch.load(io.BytesIO(client.get_object(Bucket="bench", Key=key)["Body"].read()))
+
+    t_save = clock(save)[0]
+    t_load = clock(load)[0]
+    client.delete_object(Bucket="bench", Key=key)
+    return {"full": t_save, "delta": t_save, "load": t_load, "full_ratio": 1.0, "delta_ratio": 1.0}
 
 
 def main() -> None:
@@ -73,29 +95,39 @@ def main() -> None:
     updated = {k: v + 1e-3 * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in state.items()}
     mb = nbytes(state) / 1e6
     tmp = Path(tempfile.mkdtemp(prefix="amber-bench-"))
-    results = {}
+    names = ["torch.save, local file", "amber, local directory", "torch.save, SeaweedFS S3", "amber, SeaweedFS S3"]
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     try:
-        results["torch.save, local file"] = bench_torch_save(tmp / "state.pt", state, args.repeats)
-        results["amber, local directory"] = bench_amber(str(tmp / "local"), None, state, updated, args.repeats)
-        with LoopbackS3() as s3:
+        with SeaweedFS() as s3:
             s3.create_bucket("bench")
-            results["amber, loopback S3 (moto)"] = bench_amber(
-                f"s3://bench/{uuid.uuid4().hex}", s3.storage_options(), state, updated, args.repeats)
+            methods = {
+                names[0]: lambda: torch_file_run(tmp / "state.pt", state),
+                names[1]: lambda: amber_run(lambda: str(tmp / f"local-{uuid.uuid4().hex}"), None, state, updated),
+                names[2]: lambda: torch_s3_run(s3, state),
+                names[3]: lambda: amber_run(lambda: f"s3://bench/{uuid.uuid4().hex}", s3.storage_options(), state,
+                                            updated),
+            }
+            for r in range(args.repeats):
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    runs[name].append(methods[name]())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    results = {n: {k: [run[k] for run in rs] for k in rs[0]} for n, rs in runs.items()}
 
     print(f"machine: {machine()}")
-    print(f"state: {mb:.0f} MB float32 in {len(state)} tensors; {args.repeats} runs, MB/s median (range)\n")
-    print(table(["backend", "full save MB/s", "delta save MB/s", "load delta step MB/s", "full size ratio",
+    print(f"state: {mb:.0f} MB float32 in {len(state)} tensors; {args.repeats} interleaved runs, "
+          "MB/s median (range); SeaweedFS on this machine's loopback\n")
+    print(table(["method", "full save MB/s", "delta save MB/s", "load delta step MB/s", "full size ratio",
                  "delta size ratio"],
                 [[name, rate(mb, r["full"]), rate(mb, r["delta"]), rate(mb, r["load"]),
-                  f"{r['full_ratio']:.2f}x", f"{r['delta_ratio']:.2f}x"] for name, r in results.items()]))
-    local, s3r, ts = (results[k] for k in ("amber, local directory", "amber, loopback S3 (moto)",
-                                           "torch.save, local file"))
+                  f"{r['full_ratio'][0]:.2f}x", f"{r['delta_ratio'][0]:.2f}x"] for name, r in results.items()]))
+    ts, local, ts3, s3r = (results[n] for n in names)
     print()
     for what in ("full", "delta", "load"):
-        print(f"{what:>5}: loopback S3 / local dir = {median_rate(mb, s3r[what]) / median_rate(mb, local[what]):.2f}; "
-              f"amber local / torch.save = {median_rate(mb, local[what]) / median_rate(mb, ts[what]):.2f}")
+        print(f"{what:>5}: amber S3 / amber local = {median_rate(mb, s3r[what]) / median_rate(mb, local[what]):.2f}; "
+              f"amber S3 / torch.save S3 = {median_rate(mb, s3r[what]) / median_rate(mb, ts3[what]):.2f}; "
+              f"amber local / torch.save local = {median_rate(mb, local[what]) / median_rate(mb, ts[what]):.2f} "
+              "(throughput ratios: above 1 is faster)")
     if args.json:
         args.json.write_text(json.dumps({"mb": mb, "results": results}, indent=1))
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: store locations (local, memory, loopback S3 or MinIO) and helpers."""
+"""Shared fixtures: store locations (local, memory, a real S3 server) and helpers."""
 
 from __future__ import annotations
 
@@ -15,41 +15,47 @@ from zarr.storage import WrapperStore
 
 import amber_store as amber
 from amber_store import format as fmt
-from backends.loopback_s3 import LoopbackS3
+from backends.s3servers import S3Endpoint, SeaweedFS
 
 BUCKET = "amber-test"
 
 
-class ExternalS3:
-    """An S3 endpoint someone else runs (MinIO from docker compose), from the environment."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.key = os.environ.get("AWS_ACCESS_KEY_ID", "minioadmin")
-        self.secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "minioadmin")
-
-    def storage_options(self) -> dict[str, str]:
-        return {"endpoint_url": self.endpoint, "key": self.key, "secret": self.secret}
-
-    def create_bucket(self, name: str) -> None:
-        import s3fs
-
-        fs = s3fs.S3FileSystem(key=self.key, secret=self.secret, client_kwargs={"endpoint_url": self.endpoint},
-                               config_kwargs={"s3": {"addressing_style": "path"}}, skip_instance_cache=True)
-        if not fs.exists(name):
-            fs.mkdir(name)
+@pytest.fixture(scope="session", autouse=True)
+def no_developer_aws_environment(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Hide the developer's AWS configuration from every test: a store opened without explicit
+    credentials must never send real ones to a test server."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in list(os.environ):
+            if var.startswith("AWS_"):
+                mp.delenv(var)
+        none = str(tmp_path_factory.mktemp("aws") / "none")
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", none)
+        mp.setenv("AWS_CONFIG_FILE", none)
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        yield
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Any:
-    """The S3 endpoint of the s3-marked tests: MinIO if AMBER_S3_ENDPOINT is set, else loopback moto."""
+    """The S3 endpoint of the s3-marked tests: a SeaweedFS process started for the session, or
+    the server at AMBER_S3_ENDPOINT (MinIO, AWS) when that is set."""
     endpoint = os.environ.get("AMBER_S3_ENDPOINT")
     if endpoint:
-        server: Any = ExternalS3(endpoint)
+        # its own variables, never the developer's AWS_* credentials
+        server = S3Endpoint(endpoint, os.environ.get("AMBER_S3_ACCESS_KEY", "minioadmin"),
+                            os.environ.get("AMBER_S3_SECRET_KEY", "minioadmin"))
         server.create_bucket(BUCKET)
         yield server
         return
-    with LoopbackS3() as server:
+    with SeaweedFS() as server:
+        server.create_bucket(BUCKET)
+        yield server
+
+
+@pytest.fixture
+def own_s3_server() -> Any:
+    """A SeaweedFS process of this test alone, which it may kill, freeze and restart."""
+    with SeaweedFS() as server:
         server.create_bucket(BUCKET)
         yield server
 

@@ -104,3 +104,22 @@ def test_missing_credentials_on_s3_exit_2_without_a_traceback(s3_server, tmp_pat
     endpoint = s3_server.storage_options()["endpoint_url"]
     out = run("ls", "s3://amber-test/none", "--endpoint-url", endpoint, env=env)
     assert out.returncode == 2 and "credentials" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.s3
+def test_writing_commands_refuse_a_server_without_conditional_writes_unless_single_writer():
+    from backends.s3servers import RcloneS3
+
+    with RcloneS3() as server:
+        server.create_bucket("amber-test")
+        opts = server.storage_options()
+        with amber.open("s3://amber-test/run", opts, single_writer=True) as store:
+            store.save(1, {"x": torch.ones(3)})
+        where = ["s3://amber-test/run", "--endpoint-url", opts["endpoint_url"],
+                 "--storage-option", f"key={opts['key']}", "--storage-option", f"secret={opts['secret']}"]
+        refused = run("pin", *where, "best", "1")
+        assert refused.returncode == 2 and "ignores conditional writes" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert run("pin", *where, "best", "1", "--single-writer").returncode == 0
+        listed = run("ls", *where, "--json")  # reading never checks
+        assert listed.returncode == 0, listed.stderr

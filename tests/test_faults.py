@@ -204,6 +204,26 @@ def test_two_writers_saving_the_same_step_at_once_commit_exactly_one(make_store)
     assert_bit_equal(make_store(mode="r").load(2)["x"].materialize(), torch.full((3,), float(won[0])))
 
 
+def test_a_commit_whose_answer_was_lost_is_adopted_by_its_writer_which_saves_on(make_store, monkeypatch):
+    store = make_store()
+    states = {k: {"x": torch.full((64,), float(k))} for k in (1, 2, 3)}
+    store.save(1, states[1])
+
+    async def stored_then_connection_lost(loc, key, data):
+        await put_if_absent(loc, key, data)
+        raise ConnectionResetError("the server stored the manifest, then its answer was lost")
+
+    monkeypatch.setattr("amber_store.history.put_if_absent", stored_then_connection_lost)
+    with pytest.raises(amber.StorageAccessError, match="saving step 2 failed"):
+        store.save(2, states[2])
+    monkeypatch.undo()
+    assert store.steps() == [1, 2]  # it did commit
+    store.save(3, states[3])  # the same writer goes on: step 2 is its own
+    reader = make_store(mode="r")
+    for k, s in states.items():
+        assert_tree_bit_equal(reader.load(k, lazy=False), s)
+
+
 def test_a_writer_stops_once_another_writer_has_committed_after_it(make_store):
     first, second = make_store(), make_store()
     first.save(1, {"x": torch.ones(1)})

@@ -1,21 +1,26 @@
-"""Object-store behaviour: commit semantics, outages and bad configuration on a real S3 endpoint.
+"""Object-store behaviour on real S3 servers: commits, crashes, hangs, refusals, bad configuration.
 
-They run against the loopback moto server, or MinIO when AMBER_S3_ENDPOINT is set; the outage
-test needs a server it can stop, so it runs on loopback only.
+They run against the session's SeaweedFS process (or AMBER_S3_ENDPOINT); the tests that kill or
+freeze a server start their own SeaweedFS, and the refusal test an rclone ``serve s3``, a server
+that ignores conditional writes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+import threading
+import time
 import uuid
 from concurrent.futures import wait
 
 import pytest
-import s3fs
 import torch
 
 import amber_store as amber
-from amber_store import pipeline
-from backends.loopback_s3 import LoopbackS3, free_port
+from amber_store import history, pipeline
+from backends.s3servers import RcloneS3, free_port
 from conftest import BUCKET, assert_tree_bit_equal
 
 pytestmark = pytest.mark.s3
@@ -31,40 +36,163 @@ def state(seed: int) -> dict:
     return {f"layer{i}": torch.randn(64, 64, generator=g) for i in range(6)}
 
 
-def raw_fs(server) -> s3fs.S3FileSystem:
-    opts = server.storage_options()
-    return s3fs.S3FileSystem(key=opts["key"], secret=opts["secret"], skip_instance_cache=True,
-                             client_kwargs={"endpoint_url": opts["endpoint_url"]},
-                             config_kwargs={"s3": {"addressing_style": "path"}})
+def after_first_object(monkeypatch: pytest.MonkeyPatch, action) -> None:
+    """Run ``action`` once, right after a save's first data object has been written."""
+    original = pipeline.StepWriter._put
+    done = []
+
+    def put(self, key, payload, weight):
+        original(self, key, payload, weight)
+        if not done:
+            done.append(key)
+            wait(list(self._writes))
+            action()
+
+    monkeypatch.setattr(pipeline.StepWriter, "_put", put)
 
 
-def test_server_stopped_mid_save_fails_clearly_and_a_retry_after_recovery_succeeds(s3_server, s3_uri, monkeypatch):
-    if not isinstance(s3_server, LoopbackS3):
-        pytest.skip("needs a server the test can stop (the loopback one)")
-    store = amber.open(s3_uri, s3_server.storage_options(), pack_threshold=0)  # an object per tensor
+def test_server_killed_mid_save_loses_nothing_and_the_same_writer_saves_again_after_restart(own_s3_server, s3_uri,
+                                                                                          monkeypatch):
+    opts = own_s3_server.storage_options()
+    store = amber.open(s3_uri, opts, pack_threshold=0)  # an object per tensor: a save is many requests
     s1, s2 = state(1), state(2)
     store.save(1, s1)
-    original = pipeline.StepWriter._put
-
-    def outage_after_first_object(self, key, payload, weight):
-        original(self, key, payload, weight)
-        if s3_server.running:
-            wait(list(self._writes))
-            s3_server.stop()
-
-    monkeypatch.setattr(pipeline.StepWriter, "_put", outage_after_first_object)
-    try:
-        with pytest.raises(amber.StorageAccessError, match=rf"{s3_uri}: saving step 2 failed") as err:
-            store.save(2, s2)
-        assert "secret" not in str(err.value) and s3_server.storage_options()["secret"] not in str(err.value)
-    finally:
-        monkeypatch.setattr(pipeline.StepWriter, "_put", original)
-        if not s3_server.running:
-            s3_server.start()
+    after_first_object(monkeypatch, own_s3_server.kill)
+    with pytest.raises(amber.StorageAccessError, match=rf"{s3_uri}: saving step 2 failed") as err:
+        store.save(2, s2)
+    assert opts["secret"] not in str(err.value)
+    monkeypatch.undo()
+    own_s3_server.restart()
     assert store.steps() == [1]
-    assert_tree_bit_equal(amber.open(s3_uri, s3_server.storage_options(), mode="r").load(1, lazy=False), s1)
+    assert_tree_bit_equal(amber.open(s3_uri, opts, mode="r").load(1, lazy=False), s1)
     assert store.save(2, s2).kind == "delta"
-    assert_tree_bit_equal(amber.open(s3_uri, s3_server.storage_options(), mode="r").load(2, lazy=False), s2)
+    assert_tree_bit_equal(amber.open(s3_uri, opts, mode="r").load(2, lazy=False), s2)
+
+
+def test_a_frozen_server_fails_saves_within_their_deadline_and_reads_within_request_timeouts(own_s3_server, s3_uri,
+                                                                                             monkeypatch):
+    opts = own_s3_server.storage_options()
+    store = amber.open(s3_uri, opts, pack_threshold=0, save_timeout=3)
+    quick = {**opts, "config_kwargs": {"read_timeout": 1, "connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    reader = amber.open(s3_uri, quick, mode="r")
+    s1 = state(1)
+    store.save(1, s1)
+    lazy = reader.load(1)  # its manifest is read now, its tensors when used
+    after_first_object(monkeypatch, own_s3_server.freeze)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(amber.StorageAccessError, match="saving step 2 did not finish within save_timeout=3 s"):
+            store.save(2, state(2))
+        assert time.monotonic() - t0 < 3 + 5
+        # In the background: the failure is the future's and the next call's.
+        t0 = time.monotonic()
+        future = store.save_async(3, state(3))
+        assert isinstance(future.exception(timeout=3 + 5), amber.StorageAccessError)
+        with pytest.raises(amber.AsyncSaveError, match="step 3"):
+            store.wait()
+        assert time.monotonic() - t0 < 3 + 5
+        t0 = time.monotonic()
+        with pytest.raises(amber.StorageAccessError, match=rf"{s3_uri}: reading step 1, tensor 'layer0' failed"):
+            lazy["layer0"].materialize()
+        with pytest.raises(amber.StorageAccessError, match=rf"{s3_uri}: listing the committed steps failed"):
+            reader.load()
+        assert time.monotonic() - t0 < 30
+    finally:
+        own_s3_server.thaw()
+    assert store.steps() == [1]
+    s2 = state(2)
+    store.save(2, s2)
+    assert_tree_bit_equal(amber.open(s3_uri, opts, mode="r").load(2, lazy=False), s2)
+
+
+def test_racing_writers_commit_exactly_one_and_the_loser_gets_concurrent_writer_error(s3_server, s3_uri,
+                                                                                      monkeypatch):
+    opts = s3_server.storage_options()
+    amber.open(s3_uri, opts).save(0, state(0))
+    barrier = threading.Barrier(2, timeout=60)
+    real = history.put_if_absent
+
+    async def at_once(loc, key, data):  # both writers create the manifest at the same moment
+        if key.startswith("commits/"):
+            await asyncio.to_thread(barrier.wait)  # not on the event loop both writers share
+        return await real(loc, key, data)
+
+    monkeypatch.setattr(history, "put_if_absent", at_once)
+    for step in range(1, 9):
+        stores = [amber.open(s3_uri, opts), amber.open(s3_uri, opts)]
+        states = [state(100 * step), state(100 * step + 1)]
+        outcomes: list[object] = [None, None]
+
+        def save(i: int) -> None:
+            try:
+                outcomes[i] = stores[i].save(step, states[i])
+            except amber.AmberError as e:
+                outcomes[i] = e
+
+        threads = [threading.Thread(target=save, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        won = [i for i, o in enumerate(outcomes) if isinstance(o, amber.CommitInfo)]
+        assert len(won) == 1, (step, outcomes)
+        assert isinstance(outcomes[1 - won[0]], amber.ConcurrentWriterError), (step, outcomes)
+        assert_tree_bit_equal(amber.open(s3_uri, opts, mode="r").load(step, lazy=False), states[won[0]])
+
+
+def test_a_commit_whose_answer_was_lost_and_whose_retry_finds_its_own_manifest_succeeds(s3_server, s3_uri,
+                                                                                       monkeypatch):
+    opts = s3_server.storage_options()
+    store = amber.open(s3_uri, opts)
+    fs = store._loc.fs
+    real = fs._call_s3
+    retried = []
+
+    async def lost_answer(method, *args, **kwargs):
+        out = await real(method, *args, **kwargs)
+        if method == "put_object" and "IfNoneMatch" in kwargs and kwargs["Key"].endswith(".json") and not retried:
+            retried.append(kwargs["Key"])  # the answer never arrived: the client sends it again
+            out = await real(method, *args, **kwargs)
+        return out
+
+    monkeypatch.setattr(fs, "_call_s3", lost_answer)
+    s1 = state(1)
+    assert store.save(1, s1).step == 1
+    assert retried and "commits/" in retried[0]
+    assert_tree_bit_equal(amber.open(s3_uri, opts, mode="r").load(1, lazy=False), s1)
+
+
+def test_a_server_that_ignores_conditional_writes_is_refused_for_writing_unless_single_writer():
+    with RcloneS3() as server:
+        server.create_bucket(BUCKET)
+        uri, opts = f"s3://{BUCKET}/run", server.storage_options()
+        with pytest.raises(amber.UnsafeStorageError, match=rf"{uri}: the S3 server at {server.endpoint} ignores "
+                                                           r"conditional writes .* single_writer=True"):
+            amber.open(uri, opts)
+        s = state(4)
+        with amber.open(uri, opts, single_writer=True) as store:
+            store.save(1, s)
+        with amber.open(uri, opts, mode="r") as reader:  # reading needs no guarantee
+            assert_tree_bit_equal(reader.load(1, lazy=False), s)
+        with pytest.raises(amber.UnsafeStorageError):
+            amber.open(uri, opts)  # the verdict is remembered per endpoint, and still no
+
+
+def test_stores_never_closed_leave_no_open_connections_at_exit(s3_server, s3_uri):
+    opts = s3_server.storage_options()
+    code = (
+        "import gc, sys, torch, amber_store as amber\n"
+        f"uri, opts = {s3_uri!r}, {opts!r}\n"
+        "writer = amber.open(uri, opts)\n"
+        "writer.save(1, {'x': torch.arange(10.)})\n"
+        "dropped = amber.open(uri, opts, mode='r'); dropped.steps(); del dropped; gc.collect()\n"
+        "reader = amber.open(uri, opts, mode='r')\n"
+        "print(reader.load(1)['x'][3:5].tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[3.0, 4.0]"
+    assert "Unclosed" not in out.stderr and "unclosed" not in out.stderr, out.stderr
 
 
 def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_save(s3_server, s3_uri, monkeypatch):
@@ -79,10 +207,9 @@ def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_s
     with pytest.raises(amber.StorageAccessError):
         store.save(2, state(2))
     monkeypatch.undo()
-    fs = raw_fs(s3_server)
-    prefix = s3_uri[len("s3://"):]
-    groups = [g for g in fs.ls(f"{prefix}/steps", detail=False, refresh=True) if not g.endswith("zarr.json")]
-    assert len(groups) == 2  # step 1's and the orphaned attempt of step 2
+    prefix = s3_uri[len(f"s3://{BUCKET}/"):]
+    listing = s3_server.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/steps/", Delimiter="/")
+    assert len(listing["CommonPrefixes"]) == 2  # step 1's group and the orphaned attempt of step 2
     reader = amber.open(s3_uri, opts, mode="r")
     assert reader.steps() == [1]
     with pytest.raises(amber.StepNotFoundError):
@@ -97,11 +224,11 @@ def test_flipped_bytes_in_one_object_are_detected_with_step_and_tensor(s3_server
     store = amber.open(s3_uri, opts, pack_threshold=0)
     store.save(1, state(1))
     array = store.manifest(1).tensors["layer2"].array
-    fs = raw_fs(s3_server)
-    key = f"{s3_uri[len('s3://'):]}/{array}/0.0"
-    data = bytearray(fs.cat_file(key))
+    client = s3_server.client()
+    key = f"{s3_uri[len(f's3://{BUCKET}/'):]}/{array}/0.0"
+    data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
     data[40] ^= 0xFF
-    fs.pipe_file(key, bytes(data))
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
     reader = amber.open(s3_uri, opts, mode="r")
     with pytest.raises(amber.CorruptDataError, match="step 1, tensor 'layer2'"):
         reader.load(1)["layer2"].materialize()
@@ -115,12 +242,7 @@ def test_missing_bucket_fails_at_open_naming_the_uri(s3_server):
         amber.open(uri, s3_server.storage_options())
 
 
-def test_wrong_credentials_fail_at_open_without_leaking_them(s3_server, s3_uri, monkeypatch):
-    if isinstance(s3_server, LoopbackS3):
-        import moto.settings
-
-        # moto accepts any key unless told to authenticate; the server thread reads this live.
-        monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+def test_wrong_credentials_fail_at_open_without_leaking_them(s3_server, s3_uri):
     secret = "wrong-secret-" + uuid.uuid4().hex
     opts = {**s3_server.storage_options(), "key": "AKIAWRONGKEY0000", "secret": secret}
     with pytest.raises(amber.StorageAccessError, match=f"{s3_uri}: access denied") as err:
@@ -128,12 +250,8 @@ def test_wrong_credentials_fail_at_open_without_leaking_them(s3_server, s3_uri, 
     assert secret not in str(err.value)
 
 
-def test_missing_credentials_fail_at_open(s3_server, s3_uri, monkeypatch, tmp_path):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+def test_missing_credentials_fail_at_open(s3_server, s3_uri):
+    # conftest hides the developer's AWS environment (no keys, no profile, no metadata service)
     opts = {"endpoint_url": s3_server.storage_options()["endpoint_url"]}
     with pytest.raises(amber.StorageAccessError, match="no valid credentials"):
         amber.open(s3_uri, opts)
