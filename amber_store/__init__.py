@@ -7,7 +7,9 @@
 >>> w = sd["model"]["layer.0.weight"][:16]              # reads only the chunks it needs
 """
 
-from .codecs import DeltaCodec, Policy, QuantizedDeltaCodec, SparseDeltaCodec, XorDeltaCodec
+import importlib
+from typing import Any
+
 from .errors import (
     AmberError,
     AsyncSaveError,
@@ -16,16 +18,35 @@ from .errors import (
     FormatVersionError,
     InvalidURIError,
     NotAnAmberStoreError,
+    PinNotFoundError,
     StepNotFoundError,
     StepOrderError,
     StorageAccessError,
     UnsafeStorageError,
     UnsupportedStateError,
 )
-from .format import FORMAT_VERSION
-from .lazy import LazyStateDict, LazyTensor, materialize
-from .store import CommitInfo, Store, open
-from .manager import CheckpointManager
+
+# The rest is imported on first use (PEP 562), so that `amber-store --help` and the error types
+# do not pay for importing torch.
+_LAZY = {
+    "DeltaCodec": "codecs", "Policy": "codecs", "QuantizedDeltaCodec": "codecs", "SparseDeltaCodec": "codecs",
+    "XorDeltaCodec": "codecs", "FORMAT_VERSION": "format", "LazyStateDict": "lazy", "LazyTensor": "lazy",
+    "materialize": "lazy", "CommitInfo": "store", "Store": "store", "open": "store",
+    "CheckpointManager": "manager",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __version__ = "0.1.0"
 
@@ -47,6 +68,7 @@ __all__ = [
     "QuantizedDeltaCodec",
     "SparseDeltaCodec",
     "StepNotFoundError",
+    "PinNotFoundError",
     "StepOrderError",
     "StorageAccessError",
     "UnsafeStorageError",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
 
+from . import errors as amber_errors
 from .errors import AmberError
 
 
@@ -37,27 +39,48 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _ratio(raw: int, stored: int) -> float | None:
+    """Raw per stored bytes; ``None`` when nothing was stored (an unchanged step)."""
+    return raw / stored if stored else None
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _open(args)
+    pins: dict[int, list[str]] = {}
+    for name, step in store.pins().items():
+        pins.setdefault(step, []).append(name)
     rows = []
     for step in store.steps():
         m = store.manifest(step)
-        rows.append({"step": step, "kind": m.kind, "base": m.base, "nbytes_raw": m.nbytes_raw,
-                     "nbytes_stored": m.nbytes_stored, "ratio": m.nbytes_raw / max(1, m.nbytes_stored),
-                     "tensors": len(m.tensors)})
+        rows.append({"step": step, "kind": m.kind, "base": m.base, "created": _iso(m.created),
+                     "nbytes_raw": m.nbytes_raw, "nbytes_stored": m.nbytes_stored,
+                     "ratio": _ratio(m.nbytes_raw, m.nbytes_stored), "tensors": len(m.tensors),
+                     "pins": sorted(pins.get(step, []))})
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'step':>10} {'kind':>5} {'base':>10} {'raw':>10} {'stored':>10} {'ratio':>8} {'tensors':>7}")
+    print(f"{'step':>10} {'kind':>5} {'base':>10} {'created (UTC)':>19} {'raw':>10} {'stored':>10} {'ratio':>8} "
+          f"{'tensors':>7}  pins")
     for r in rows:
         base = "-" if r["base"] is None else r["base"]
-        print(f"{r['step']:>10} {r['kind']:>5} {base:>10} {_human(r['nbytes_raw']):>10} "
-              f"{_human(r['nbytes_stored']):>10} {r['ratio']:>7.1f}x {r['tensors']:>7}")
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+        print(f"{r['step']:>10} {r['kind']:>5} {base:>10} {r['created']:>19} {_human(r['nbytes_raw']):>10} "
+              f"{_human(r['nbytes_stored']):>10} {ratio:>8} {r['tensors']:>7}  {','.join(r['pins'])}")
     return 0
 
 
+def _iso(t: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    info = _open(args).info(args.step)
+    store = _open(args)
+    step = args.step if args.step is not None else store.latest()
+    if step is None:
+        raise amber_errors.StepNotFoundError(f"{store.uri}: the store is empty (no committed step)")
+    info = store.info(step)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -68,6 +91,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         base = "-" if t["base"] is None else t["base"]
         print(f"{key:<48} {t['dtype']:>9} {str(tuple(t['shape'])):>16} {t['encoding']:>5} {base:>8} "
               f"{_human(t['nbytes_stored']):>10}")
+    for key, t in info["tensors"].items():
+        if t["note"]:
+            print(f"note: {key}: {t['note']}")
     return 0
 
 
@@ -103,10 +129,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    store = _open(args, mode="a")
-    if args.step is None:
+    store = _open(args, mode="r" if args.name is None else "a")
+    if args.name is not None and args.step is None:
         store.unpin(args.name)
-    else:
+    elif args.name is not None:
         store.pin(args.step, args.name)
     pins = store.pins()
     print(json.dumps(pins, indent=1) if args.json else "\n".join(f"{n}: {s}" for n, s in sorted(pins.items())))
@@ -120,7 +146,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    info = _open(args, mode="a").import_checkpoint(args.step, args.input, format=args.format)
+    info = _open(args, mode="a").import_checkpoint(args.step, args.input, format=args.format, subtree=args.subtree)
     if args.json:
         print(json.dumps({"step": info.step, "nbytes_raw": info.nbytes_raw, "nbytes_stored": info.nbytes_stored}))
     else:
@@ -134,6 +160,10 @@ def cmd_du(args: argparse.Namespace) -> int:
         print(json.dumps(du, indent=1))
         return 0
     print(f"total {_human(du['total'])} in {len(du['steps'])} step(s)")
+    fp = du["storage"]
+    dirs = f" and {fp['directories']} directories" if "directories" in fp else ""
+    print(f"on storage: {fp['objects']} objects{dirs}, {_human(fp['bytes'])} "
+          f"({_human(fp['allocated'])} allocated)")
     print("by group: " + ", ".join(f"{g} {_human(b)}" for g, b in sorted(du["groups"].items())))
     for step, b in du["steps"].items():
         print(f"{step:>10} {_human(b):>10}")
@@ -143,7 +173,8 @@ def cmd_du(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run
 
-    summary = run(args.uri, steps=args.steps, every=args.every, full_every=args.full_every, progress=not args.json)
+    summary = run(args.uri, steps=args.steps, every=args.every, full_every=args.full_every, progress=not args.json,
+                  force=args.force)
     if args.json:
         print(json.dumps(summary, indent=1))
     return 0 if summary["verified"] else 1
@@ -173,7 +204,7 @@ def parser() -> argparse.ArgumentParser:
 
     add("ls", "list committed steps with kind, base and bytes").set_defaults(func=cmd_ls)
     sp = add("info", "per-tensor table of one step")
-    sp.add_argument("step", type=int)
+    sp.add_argument("step", type=int, nargs="?", help="default: the latest")
     sp.set_defaults(func=cmd_info)
     sp = add("verify", "read every chunk and check its checksum; exit 1 on any damage")
     sp.add_argument("step", type=int, nargs="?", help="one step (default: all)")
@@ -185,8 +216,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                     help="spare uncommitted data newer than the latest step younger than this (default 3600)")
     sp.set_defaults(func=cmd_gc)
-    sp = add("pin", "pin STEP under NAME so gc keeps it (no STEP: unpin NAME); prints the pins")
-    sp.add_argument("name")
+    sp = add("pin", "pin STEP under NAME so gc keeps it (no STEP: unpin NAME; no NAME: list); prints the pins")
+    sp.add_argument("name", nargs="?")
     sp.add_argument("step", type=int, nargs="?")
     sp.set_defaults(func=cmd_pin)
     sp = add("export", "write a step as .safetensors (model tensors) or a torch.save file (.pt)")
@@ -199,10 +230,15 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("step", type=int)
     sp.add_argument("input")
     sp.add_argument("--format", choices=["safetensors", "torch"], help="default: from INPUT's suffix")
+    sp.add_argument("--subtree", help="safetensors: put the tensors under this part of the state (default: the "
+                                      "subtree the file was exported from, else the top level; '' for the top)")
     sp.set_defaults(func=cmd_import)
     add("du", "stored bytes by step and by top-level group (model, optim, ...)").set_defaults(func=cmd_du)
     sp = add("demo", "train a small GPT on CPU, checkpoint it, verify a historical step", uri=False)
-    sp.add_argument("--uri", default="./amber-demo", help="where to checkpoint (wiped first; default ./amber-demo)")
+    sp.add_argument("--uri", default="./amber-demo",
+                    help="where to checkpoint (default ./amber-demo); an earlier demo's store there is wiped first, "
+                         "any other store only with --force")
+    sp.add_argument("--force", action="store_true", help="wipe the amber-store at --uri even if not the demo's")
     sp.add_argument("--steps", type=int, default=300)
     sp.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     sp.add_argument("--full-every", type=int, default=10, help="a full step every N checkpoints")
@@ -214,12 +250,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except AmberError as e:
-        print(f"amber-store: error: {e}", file=sys.stderr)
+    except (AmberError, PermissionError, ValueError, FileNotFoundError) as e:
+        if getattr(args, "json", False):
+            print(json.dumps({"error": str(e), "type": type(e).__name__}))
+        else:
+            print(f"amber-store: error: {e}", file=sys.stderr)
         return 2
-    except (PermissionError, ValueError, FileNotFoundError) as e:
-        print(f"amber-store: error: {e}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:
+        # The reader went away (`amber-store info ... | head`): no traceback, and none at exit
+        # when Python flushes stdout again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

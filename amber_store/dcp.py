@@ -21,7 +21,6 @@ with ``set_state_dict`` after ``dcp.load``: both work unchanged with these class
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import io
 import os
@@ -51,7 +50,7 @@ from . import format as fmt
 from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError
 from .format import Manifest, TensorEntry
 from .pipeline import BaseCache, Written
-from .reader import ReadSession
+from .reader import ReadSession, gather
 from .store import Store, open
 
 _METADATA = "dcp.metadata"
@@ -306,10 +305,10 @@ class AmberStorageReader(StorageReader):
 
         async def read_all() -> list[torch.Tensor]:
             session = ReadSession()  # every object, and each pack, fetched once
-            return await asyncio.gather(*(lt._read(
+            return await gather(lt._read(
                 Ellipsis if req.type == LoadItemType.BYTE_IO or not req.lengths
                 else tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths)), session)
-                for req, lt in wanted))
+                for req, lt in wanted)
 
         for (req, lt), tensor in zip(wanted, sync(read_all())):
             if req.type == LoadItemType.BYTE_IO:

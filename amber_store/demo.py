@@ -120,11 +120,35 @@ def torch_save_bytes(obj: Any) -> int:
     return buf.tell()
 
 
-def run(uri: str = "./amber-demo", *, steps: int = 300, every: int = 10, full_every: int = 10,
-        out: Callable[[str], None] = print, progress: bool = True) -> dict[str, Any]:
-    """Train, checkpoint every ``every`` steps into ``uri`` (wiped first), then verify a step."""
+#: A leaf every demo checkpoint carries, so a later demo run knows it may wipe the store.
+DEMO_MARK = "amber-store demo"
+
+
+def _refuse_foreign(uri: str) -> None:
+    """Raise unless ``uri`` is absent, empty, or a store of earlier demo runs."""
     import amber_store as amber
 
+    try:
+        existing = amber.open(uri, mode="r")
+    except amber.NotAnAmberStoreError:
+        return  # nothing there; a non-empty foreign location is refused by mode "w" itself
+    latest = existing.latest()
+    if latest is not None:
+        state = existing.load(latest)
+        if not ("demo" in state and state["demo"] == DEMO_MARK):
+            raise amber.AmberError(
+                f"{existing.uri}: holds checkpoints that are not the demo's (latest step {latest}); the demo "
+                "wipes its location first: choose another --uri, or pass --force to wipe them")
+
+
+def run(uri: str = "./amber-demo", *, steps: int = 300, every: int = 10, full_every: int = 10,
+        out: Callable[[str], None] = print, progress: bool = True, force: bool = False) -> dict[str, Any]:
+    """Train, checkpoint every ``every`` steps into ``uri``, then verify a step. ``uri`` is wiped
+    first if it holds an earlier demo's store (any other store only with ``force``)."""
+    import amber_store as amber
+
+    if not force:
+        _refuse_foreign(uri)
     store = amber.open(uri, mode="w", full_every=full_every)
     trainer = Trainer()
     out(f"amber-store demo: TinyGPT {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M params, "
@@ -137,7 +161,7 @@ def run(uri: str = "./amber-demo", *, steps: int = 300, every: int = 10, full_ev
         loss = trainer.step(i)
         if i % every == 0:
             state = trainer.state(i)
-            info = store.save(i, state)
+            info = store.save(i, {**state, "demo": DEMO_MARK})
             rows.append((info, torch_save_bytes(state)))
             if len(rows) == len(range(every, steps + 1, every)) // 2:
                 kept[i] = {k: v.clone() for k, v in trainer.model.state_dict().items()}

@@ -36,6 +36,10 @@ class StepNotFoundError(AmberError, LookupError):
     """The requested step is not committed in the store."""
 
 
+class PinNotFoundError(AmberError, LookupError):
+    """No pin of that name exists."""
+
+
 class StepOrderError(AmberError, ValueError):
     """A save was asked for a step that is not newer than the latest committed step."""
 

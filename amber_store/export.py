@@ -27,7 +27,8 @@ def file_format(path: str | os.PathLike[str], format: Format | None) -> Format:
         return format
     suffix = Path(path).suffix.lower()
     if suffix not in _SUFFIXES:
-        raise ValueError(f"{path}: cannot tell the format from {suffix!r}; pass format='safetensors' or 'torch'")
+        raise ValueError(f"{path}: cannot tell the format from its suffix {suffix!r}; use .safetensors or .pt, or "
+                         "pass format='safetensors' or 'torch' (CLI: --format)")
     return _SUFFIXES[suffix]
 
 
@@ -65,17 +66,31 @@ def export(store: Store, step: int, path: str | os.PathLike[str], *, format: For
     if not tensors:
         raise UnsupportedStateError(f"step {step}: no tensors under {subtree or 'the root'!r} to export")
     save_file(tensors, str(path), metadata={"amber_store.step": str(step), "amber_store.subtree": subtree or ""})
+    # safetensors writes through a private temporary file (mode 0600); give the file the mode
+    # any new file gets here, as torch.save's does.
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
     return path
 
 
-def import_checkpoint(store: Store, step: int, path: str | os.PathLike[str], *, format: Format | None = None) -> CommitInfo:
+def import_checkpoint(store: Store, step: int, path: str | os.PathLike[str], *, format: Format | None = None,
+                      subtree: str | None = None) -> CommitInfo:
     """Save a ``torch.save`` file (loaded with ``weights_only=True``) or a safetensors file as a
-    full step."""
+    full step. A safetensors file exported from a subtree goes back under it: ``subtree``, or
+    by default the one recorded in the file by :func:`export`; ``subtree=""`` puts its tensors
+    at the top level."""
     fmt_ = file_format(path, format)
     if fmt_ == "torch":
         state = torch.load(path, map_location="cpu", weights_only=True)
     else:
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         state = load_file(str(path))
+        if subtree is None:
+            with safe_open(str(path), "pt") as f:
+                subtree = (f.metadata() or {}).get("amber_store.subtree", "")
+        for part in reversed(subtree.split("/") if subtree else []):
+            state = {part: state}
     return store.save(step, state, full=True)

@@ -268,7 +268,7 @@ _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
 def escape_segment(key: str | int) -> str:
     """A dict key as one zarr node name: reversible, and never a reserved name."""
     s = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in str(key))
-    if s in ("", ".", "..") or s.startswith("__"):
+    if s in ("", ".", "..", "zarr.json") or s.startswith("__"):
         s = f"%{ord(s[0]):02X}{s[1:]}" if s else "%00"
     return s
 

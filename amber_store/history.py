@@ -17,7 +17,7 @@ from zarr.abc.store import Store as ZarrStore
 from zarr.core.buffer import Buffer, default_buffer_prototype
 
 from . import format as fmt
-from .errors import ConcurrentWriterError, FormatVersionError, NotAnAmberStoreError, StepNotFoundError
+from .errors import ConcurrentWriterError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError, StepNotFoundError
 from .format import Manifest, TensorEntry
 from .uri import Location, put_atomic, put_if_absent, storage_errors
 
@@ -232,7 +232,11 @@ class History:
         await put_atomic(self.loc, pin_key(name), json.dumps({"step": step}).encode())
 
     async def unpin(self, name: str) -> None:
-        await self.zstore.delete(pin_key(name))
+        key = pin_key(name)
+        if not await self.zstore.exists(key):
+            pins = await self.pins()
+            raise PinNotFoundError(f"{self.uri}: no pin named {name!r} (pins: {', '.join(sorted(pins)) or 'none'})")
+        await self.zstore.delete(key)
 
 
 def pin_key(name: str) -> str:

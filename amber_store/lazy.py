@@ -16,7 +16,7 @@ import torch
 from zarr.core.sync import sync
 
 from .format import DTYPES, TensorEntry, numpy_to_tensor
-from .reader import ReadSession
+from .reader import ReadSession, gather
 
 if TYPE_CHECKING:
     from .reader import Reader
@@ -181,7 +181,7 @@ def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
             async with sem:
                 return await lt._read(Ellipsis, session)
 
-        return await asyncio.gather(*(one(lt) for lt in leaves))
+        return await gather(one(lt) for lt in leaves)
 
     values = {id(lt): _to(t, device) for lt, t in zip(leaves, sync(read_all()))}
 

@@ -461,14 +461,20 @@ class Background:
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="amber-save")
+        self.max_pending = max_pending
         self._slots = threading.Semaphore(max_pending)
         self._pending: set[Future[Any]] = set()
         self._failure: tuple[int, BaseException] | None = None
         self._lock = threading.Lock()
 
-    def reserve(self) -> None:
-        """Wait for a free slot; call before taking the snapshot a save will own."""
+    def reserve(self) -> float:
+        """Wait for a free slot; call before taking the snapshot a save will own. Returns the
+        seconds waited (0.0 when a slot was free)."""
+        if self._slots.acquire(blocking=False):
+            return 0.0
+        t0 = time.perf_counter()
         self._slots.acquire()
+        return time.perf_counter() - t0
 
     def release(self) -> None:
         self._slots.release()

@@ -13,7 +13,7 @@ Steps of format versions 1 and 2 (one zarr array per tensor) are read by
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Iterable
 
 import crc32c
 import numpy as np
@@ -80,11 +80,11 @@ class Reader:
             await self._decode(step, key, e, layers, payloads, out.reshape(-1), (0,) * len(shape), 0, check)
             return out
         whole = session is not None and region == fmt.whole(shape)
-        objects = await asyncio.gather(*(self._shard(s, le, key) for s, le in layers)) if whole else None
+        objects = await gather(self._shard(s, le, key) for s, le in layers) if whole else None
         jobs = []
         for flat, idx, local in fmt.region_chunks(region, shape, chunks):
             jobs.append(self._chunk(step, key, e, layers, objects, flat, idx, out[local], check))
-        await _gather(jobs)
+        await gather(jobs)
         return out
 
     async def _shard(self, step: int, entry: TensorEntry, key: str) -> Any:
@@ -115,7 +115,7 @@ class Reader:
                 raise self._corrupt(s, key, f"object of array {le.array} is missing", idx)
             return raw.as_numpy_array()
 
-        payloads = await asyncio.gather(*(stored(i) for i in range(len(layers))))
+        payloads = await gather(stored(i) for i in range(len(layers)))
         flat_target = target.reshape(-1) if target.flags.c_contiguous else None
         if flat_target is not None:
             await self._decode(step, key, e, layers, payloads, flat_target, idx, flat, check)
@@ -209,8 +209,10 @@ class Reader:
         whole = first == 0 and stop == len(info["index"])
         raw = await self._zstore.get(fmt.shard_key(info["array"], 1), default_buffer_prototype(),
                                      None if whole else RangeByteRequest(lo, hi))
+        # A packed tensor is a single chunk of its own grid.
+        chunk = (0,) * len(m.tensors[key].shape) if key in m.tensors else None
         if raw is None:
-            raise self._corrupt(m.step, key, f"pack object {info['array']} is missing")
+            raise self._corrupt(m.step, key, f"pack object {info['array']} is missing", chunk)
         data = raw.as_numpy_array()
         size = info["chunk"]
         out = np.empty((stop - first) * size, dtype=np.uint8)
@@ -220,19 +222,20 @@ class Reader:
             o -= lo
             target = out[i * size: (i + 1) * size]
             if decompress(data[o: o + n], target) is None:
-                raise self._corrupt(m.step, key, f"pack {name!r} chunk {first + i} failed its checksum or decoding")
+                raise self._corrupt(m.step, key, f"pack {name!r} chunk {first + i} failed its checksum or decoding",
+                                    chunk)
 
         loop = asyncio.get_running_loop()
-        await _gather([loop.run_in_executor(codec_pool(), one, i) for i in range(len(index))])
+        await gather([loop.run_in_executor(codec_pool(), one, i) for i in range(len(index))])
         return out
 
 
-async def _gather(aws: list[Any]) -> None:
-    """Await all; on the first failure cancel the rest and wait for them, then raise it, so no
-    read outlives the call that failed."""
+async def gather(aws: Iterable[Any]) -> list[Any]:
+    """Await all, in order; on the first failure cancel the rest and wait for them, then raise
+    it, so no read outlives the call that failed (nor reports to a closed loop at exit)."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
-        await asyncio.gather(*tasks)
+        return await asyncio.gather(*tasks)
     except BaseException:
         for t in tasks:
             t.cancel()

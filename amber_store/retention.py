@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import re
 import time
@@ -33,6 +34,7 @@ from zarr.core.sync import sync
 
 from . import format as fmt
 from .format import Manifest
+from .errors import StorageAccessError
 from .history import History
 
 if TYPE_CHECKING:
@@ -70,12 +72,13 @@ def select(steps: list[int], keep_last: int | None, keep_every: int | None, pinn
     return sorted(keep & set(steps))
 
 
-async def _needs_fold(history: History, step: int, deleted: set[int]) -> bool:
+async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[int]:
+    """The deleted steps whose data ``step`` reads (it needs a fold if any)."""
     m = await history.manifest(step)
+    out: set[int] = set()
     for key in m.tensors:
-        if deleted & set(await history.dependencies(step, key)):
-            return True
-    return False
+        out |= deleted & set(await history.dependencies(step, key))
+    return out
 
 
 def gc(store: Store, keep_last: int | None, keep_every: int | None, *, dry_run: bool = False,
@@ -85,24 +88,45 @@ def gc(store: Store, keep_last: int | None, keep_every: int | None, *, dry_run: 
     steps = store.steps()
     keep = select(steps, keep_last, keep_every, store.pins().values())
     deleted = sorted(set(steps) - set(keep))
-    rewrite = [s for s in keep if sync(_needs_fold(history, s, set(deleted)))]
+    needed = {k: sync(_deleted_deps(history, k, set(deleted))) for k in keep}
+    rewrite = [k for k in keep if needed[k]]
     report = GCReport(keep, deleted, rewrite, dry_run)
     if dry_run:
         report.orphans = sync(_unreferenced(history, keep, steps, grace_seconds))
         report.seconds = time.perf_counter() - t0
         return report
-
+    # First what no fold reads: on a full disk that frees space before anything is written.
+    read_by_folds = set().union(*needed.values()) if needed else set()
+    _drop(report, history, [s for s in deleted if s not in read_by_folds], keep + sorted(read_by_folds), steps,
+          grace_seconds)
     for step in rewrite:  # oldest first: a fold only ever diffs against already-safe steps
-        report.bytes_written += _fold(store, step, [k for k in keep if k < step], set(deleted))
-    for step in reversed(deleted):  # newest first: a step still committed never lacks its (older) bases
-        sync(history.uncommit(step))
-    history.forget()
-    garbage = sync(_unreferenced(history, keep, steps, grace_seconds))
-    sync(_delete_all(history, garbage))
-    report.orphans = garbage
-    report.objects_removed = len(garbage)
+        try:
+            report.bytes_written += _fold(store, step, [k for k in keep if k < step], set(deleted))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise StorageAccessError(
+                f"{store.uri}: gc is out of space folding step {step} off deleted steps "
+                f"{sorted(needed[step])}: it needs room for that step's rewritten tensors "
+                f"({len(report.orphans)} objects were freed first); free some space, or keep the steps it "
+                "depends on (a larger --keep-last) and run gc again") from e
+    _drop(report, history, sorted(read_by_folds), keep, steps, grace_seconds)
+    report.orphans.sort()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _drop(report: GCReport, history: History, steps: list[int], keep: list[int], all_steps: list[int],
+          grace_seconds: float) -> None:
+    """Uncommit ``steps`` (newest first: a step still committed never lacks its older bases),
+    then delete every object the steps in ``keep`` do not read."""
+    for step in reversed(steps):
+        sync(history.uncommit(step))
+    history.forget()
+    garbage = sync(_unreferenced(history, keep, all_steps, grace_seconds))
+    sync(_delete_all(history, garbage))
+    report.orphans += garbage
+    report.objects_removed += len(garbage)
 
 
 def _fold(store: Store, step: int, earlier_kept: list[int], deleted: set[int]) -> int:
@@ -118,10 +142,10 @@ def _fold(store: Store, step: int, earlier_kept: list[int], deleted: set[int]) -
     todo = [k for k in m.tensors if deleted & set(deps[k])]
     base_m = store.manifest(earlier_kept[-1]) if earlier_kept else None
     group = fmt.step_group(step, uuid.uuid4().hex[:8])
-    sync(store.open_group(group, step))
     writer = store.step_writer(group)
     refs = store.bases_for(base_m, todo) if base_m is not None else {}
     try:
+        sync(store.open_group(group, step))
         for key in todo:
             value = store.materialized(step, key)
             ref = refs.get(key)
@@ -130,9 +154,12 @@ def _fold(store: Store, step: int, earlier_kept: list[int], deleted: set[int]) -
             found = sync(history.holder(step, key))
             writer.add(key, value, ref, layout=None if found is None else found[1])
         written = writer.finish()
-    finally:
+        created = sync(store.seal(group, step, written))
+    except BaseException:
         writer.close()
-    created = sync(store.seal(group, step, written))
+        sync(store.discard(group))  # never to be used: give its space back at once
+        raise
+    writer.close()
     for e in written.entries.values():  # the fold's pack sits beside the step's own
         if e.pack is not None:
             e.pack = [f"{e.pack[0]}@{group}", *e.pack[1:]]

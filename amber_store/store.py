@@ -12,10 +12,13 @@ visible step and never touches committed data.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
 import uuid
+import warnings
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -28,19 +31,23 @@ from . import format as fmt
 from . import export as export_
 from . import retention
 from .codecs import CodecPolicy, Compression, Policy
-from .errors import AmberError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError, StorageAccessError
+from .errors import AmberError, ConcurrentWriterError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError, StorageAccessError
 from .format import Manifest
 from .history import PARENTS, History, json_buffer
 from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written
 from .reader import Reader, ReadSession
 from .retention import GCReport
-from .uri import Location, is_storage_error, make_durable, probe, require_conditional_writes, resolve
+from .uri import Location, footprint, is_storage_error, make_durable, probe, require_conditional_writes, resolve
 
 Mode = Literal["r", "a", "w"]
 #: save_timeout="auto": this many seconds, plus one per AUTO_TIMEOUT_RATE bytes of state.
 AUTO_TIMEOUT_SECONDS = 300.0
 AUTO_TIMEOUT_RATE = 20e6
+#: save_async warns (once) when back-pressure held training up longer than this.
+BACKPRESSURE_WARN_SECONDS = 0.05
+#: how long a failed save may spend deleting its own attempt's data
+DISCARD_TIMEOUT = 10.0
 BasePolicy = Literal["log", "chain", "full"]
 
 
@@ -147,6 +154,7 @@ class Store:
         self._root_version: int | None = None
         self._submitted: int | None = None
         self._background = Background(max_pending)
+        self._warned_backpressure = False
         self._snapshots = Snapshots(snapshot)
         sync(self._init_root())
 
@@ -226,6 +234,7 @@ class Store:
 
     async def _info(self, step: int) -> dict[str, Any]:
         m = await self.history.manifest(step)
+        base = await self.history.manifest(m.base) if m.base is not None else None
         tensors = {}
         chain: set[int] = set()
         for key, e in m.tensors.items():
@@ -241,6 +250,7 @@ class Store:
                 "nbytes_raw": e.nbytes,
                 "nbytes_stored": e.stored,
                 "chain": deps,
+                "note": _full_in_delta(e, base.tensors.get(key) if base is not None else None, base),
             }
         return {
             "step": m.step,
@@ -294,7 +304,14 @@ class Store:
         tree, tensors = self._validate(step, state_dict)
         if self._submitted is not None and step <= self._submitted:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the pending save of step {self._submitted}")
-        self._background.reserve()
+        waited = self._background.reserve()
+        if waited > BACKPRESSURE_WARN_SECONDS and not self._warned_backpressure:
+            self._warned_backpressure = True
+            warnings.warn(
+                f"{self.uri}: training waited {waited:.2f} s for the previous checkpoint to finish before "
+                f"saving step {step} (max_pending={self._background.max_pending}); checkpoints take longer than "
+                "the interval between them: save less often, raise max_pending (one more snapshot of host "
+                "memory each), or use faster storage. (Warned once per store.)", RuntimeWarning, stacklevel=2)
         try:
             snapshot = self._snapshots.take(tensors)
         except BaseException:
@@ -344,8 +361,10 @@ class Store:
                     t0: float) -> Manifest:
         timeout = self._timeout(tensors)
         deadline = None if timeout is None else time.monotonic() + timeout
+        group = fmt.step_group(step, uuid.uuid4().hex[:8])
         try:
-            manifest, latest, values = await asyncio.wait_for(self._stage(step, tree, tensors, full, t0, deadline), timeout)
+            manifest, latest, values = await asyncio.wait_for(
+                self._stage(step, group, tree, tensors, full, t0, deadline), timeout)
         except (asyncio.TimeoutError, TimeoutError) as e:
             if deadline is None or time.monotonic() < deadline:
                 raise  # one request's own timeout
@@ -353,15 +372,34 @@ class Store:
                 f"{self.uri}: saving step {step} did not finish within save_timeout={timeout:.0f} s (is the "
                 "storage answering?); the step is not committed and earlier steps are untouched"
             ) from e
+        except Exception as e:
+            await self._discard(group, e)
+            raise
         # Not under the deadline: once sent, a commit's outcome must be learnt, not abandoned
         # (a retried create that finds its own manifest is a success).
-        await self.history.commit(manifest, latest)
+        try:
+            await self.history.commit(manifest, latest)
+        except ConcurrentWriterError as e:
+            await self._discard(group, e)
+            raise
         self.bases.put(step, values)
         self.bases.keep(self.live_bases(manifest))
         return manifest
 
-    async def _stage(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
-                     t0: float, deadline: float | None) -> tuple[Manifest, int | None, dict[str, torch.Tensor]]:
+    async def _discard(self, group: str, cause: BaseException) -> None:
+        """Delete the data of an attempt known not to be committed at once, rather than at the
+        next gc, where the storage still answers: after a bug, a refused or lost race, or a full
+        disk (deleting frees space). After a network failure the attempt stays for gc."""
+        if not is_storage_error(cause) or getattr(cause, "errno", None) == errno.ENOSPC:
+            await self.discard(group)
+
+    async def discard(self, group: str) -> None:
+        """Delete an attempt group that is never committed (best effort, bounded in time)."""
+        with suppress(Exception):
+            await asyncio.wait_for(self._loc.store.delete_dir(group), DISCARD_TIMEOUT)
+
+    async def _stage(self, step: int, group: str, tree: dict[str, Any], tensors: dict[str, torch.Tensor],
+                     full: bool | None, t0: float, deadline: float | None) -> tuple[Manifest, int | None, dict[str, torch.Tensor]]:
         """Write and seal everything of the step but its commit; returns its manifest, the
         latest step seen before, and the step's values as later deltas' bases."""
         history = self.history
@@ -373,7 +411,6 @@ class Store:
         prev = await history.manifest(latest) if latest is not None else None
         base_step = await history.base_step(prev, self.base_policy, self.full_every, full)
         base = await history.manifest(base_step) if base_step is not None else None
-        group = fmt.step_group(step, uuid.uuid4().hex[:8])
         await self.open_group(group, step)
         job = asyncio.ensure_future(asyncio.to_thread(self._write_tensors, group, step, tensors, base, deadline))
         try:
@@ -497,6 +534,7 @@ class Store:
         sync(self.history.pin(step, name))
 
     def unpin(self, name: str) -> None:
+        """Remove the pin ``name`` (raises :class:`PinNotFoundError` if there is none)."""
         self._require_writable()
         sync(self.history.unpin(name))
 
@@ -510,12 +548,17 @@ class Store:
         see :func:`amber_store.export.export`."""
         return export_.export(self, step, path, format=format, subtree=subtree)  # type: ignore[arg-type]
 
-    def import_checkpoint(self, step: int, path: str | os.PathLike[str], *, format: str | None = None) -> CommitInfo:
-        """Save an existing ``torch.save`` or safetensors file as a full ``step``."""
-        return export_.import_checkpoint(self, step, path, format=format)  # type: ignore[arg-type]
+    def import_checkpoint(self, step: int, path: str | os.PathLike[str], *, format: str | None = None,
+                          subtree: str | None = None) -> CommitInfo:
+        """Save an existing ``torch.save`` or safetensors file as a full ``step`` (a safetensors
+        file under ``subtree``, by default the one :meth:`export` recorded in it); see
+        :func:`amber_store.export.import_checkpoint`."""
+        return export_.import_checkpoint(self, step, path, format=format, subtree=subtree)  # type: ignore[arg-type]
 
     def du(self) -> dict[str, Any]:
-        """Stored bytes by step and by top-level group of the state (``model``, ``optim``, ...)."""
+        """Stored bytes by step and by top-level group of the state (``model``, ``optim``, ...),
+        and what the whole location occupies (``storage``: objects, bytes, allocated disk
+        blocks; uncommitted leftovers and metadata included)."""
         by_step: dict[int, int] = {}
         by_group: dict[str, int] = {}
         for step in self.steps():
@@ -524,7 +567,8 @@ class Store:
             for key, e in m.tensors.items():
                 group = key.split("/", 1)[0]
                 by_group[group] = by_group.get(group, 0) + e.stored
-        return {"total": sum(by_step.values()), "steps": by_step, "groups": by_group}
+        return {"total": sum(by_step.values()), "steps": by_step, "groups": by_group,
+                "storage": sync(footprint(self._loc))}
 
     def _require_writable(self) -> None:
         if self.mode == "r":
@@ -574,6 +618,18 @@ class Store:
         m = self.manifest(step)
         lazy_sd = fmt.unflatten(m.tree, lambda key: LazyTensor(self.reader, step, key, m.tensors[key]), LazyStateDict)
         return lazy_sd if lazy else materialize(lazy_sd, device)
+
+
+def _full_in_delta(e: Any, was: Any, base: Manifest | None) -> str | None:
+    """Why a tensor of a delta step was stored whole, when it was not diffed by choice."""
+    if base is None or e.encoding != "full":
+        return None
+    if was is None:
+        return f"stored full: new since base step {base.step}"
+    if (list(was.shape), was.dtype) != (list(e.shape), e.dtype):
+        return (f"stored full: {was.dtype}{list(was.shape)} at base step {base.step}, "
+                f"now {e.dtype}{list(e.shape)}")
+    return None
 
 
 def open(

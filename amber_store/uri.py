@@ -2,8 +2,7 @@
 
 ``/path`` or ``file:///path``: :class:`zarr.storage.LocalStore` (NVMe). ``memory://name``: a
 :class:`zarr.storage.MemoryStore` shared by every open of the same name in this process.
-``s3://bucket/prefix`` (and any other fsspec protocol that is installed): zarr's FsspecStore on
-an asynchronous fsspec filesystem. :func:`probe` checks reachability at ``open`` time so that a
+``s3://bucket/prefix``: zarr's FsspecStore on s3fs. Any other scheme is refused before any I/O. :func:`probe` checks reachability at ``open`` time so that a
 wrong URI, bucket or credential fails there, with a message that names the URI and never the
 secrets; :func:`require_conditional_writes` checks that an S3 server can make a commit exclusive.
 
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-import fsspec
 from zarr.abc.store import Store
 from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.core.sync import sync
@@ -33,6 +31,7 @@ from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
 from .errors import AmberError, InvalidURIError, NotAnAmberStoreError, StorageAccessError, UnsafeStorageError
 
+SUPPORTED = "a local path, file://, memory:// or s3:// (s3a://)"
 _MEMORY: dict[str, dict[str, Buffer]] = {}
 _MEMORY_LOCK = threading.Lock()
 
@@ -159,12 +158,7 @@ def resolve(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None 
         text = f"s3://{parts.netloc}{parts.path}".rstrip("/")
         scheme = "s3"
     else:
-        try:
-            fsspec.get_filesystem_class(scheme)
-        except (ImportError, ValueError) as e:
-            raise InvalidURIError(
-                f"{text}: unsupported URI scheme {scheme!r}; use a local path, file://, memory:// or s3:// ({e})"
-            ) from None
+        raise InvalidURIError(f"{text}: unsupported URI scheme {scheme!r}; use {SUPPORTED}")
     try:
         store = FsspecStore.from_url(text, storage_options=storage_options, read_only=read_only)
     except (TypeError, ValueError, ImportError) as e:
@@ -319,6 +313,33 @@ async def probe(loc: Location) -> None:
             # warns about every session still open then.
             weakref.finalize(loc.fs, _close_client, loc.fs._s3, asyncio.get_running_loop()).atexit = False
             _SESSIONS.add(loc.fs)
+
+
+async def footprint(loc: Location) -> dict[str, int]:
+    """What the location occupies: ``objects`` (files), ``bytes`` (their sizes) and
+    ``allocated`` (disk blocks, local only; on object stores the same as ``bytes``), plus
+    ``directories`` on local disks."""
+    if loc.scheme == "file":
+        return await asyncio.to_thread(_local_footprint, Path(loc.path))
+    if loc.fs is not None:
+        sizes = [info["size"] for info in (await loc.fs._find(loc.path, detail=True)).values()]
+    else:
+        sizes = []
+        async for key in loc.store.list_prefix(""):
+            sizes.append(await loc.store.getsize(key))
+    return {"objects": len(sizes), "bytes": sum(sizes), "allocated": sum(sizes)}
+
+
+def _local_footprint(root: Path) -> dict[str, int]:
+    out = {"objects": 0, "bytes": 0, "allocated": 0, "directories": 0}
+    for dirpath, dirnames, filenames in os.walk(root):
+        out["directories"] += len(dirnames)
+        for name in filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            out["objects"] += 1
+            out["bytes"] += st.st_size
+            out["allocated"] += st.st_blocks * 512
+    return out
 
 
 def is_storage_error(e: BaseException) -> bool:

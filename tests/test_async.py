@@ -89,6 +89,24 @@ def test_back_pressure_holds_at_most_max_pending_unfinished_saves(tmp_path, max_
     assert len(store._snapshots._free) <= max_pending  # snapshot buffers are reused, not piled up
 
 
+def test_training_held_up_by_back_pressure_is_warned_about_once(tmp_path):
+    import warnings
+
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.0)
+    store = amber.open(slow, max_pending=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2, 3):
+            slow.gate.clear()
+            store.save_async(step, state(step))
+            threading.Timer(0.3, slow.gate.set).start()  # the save finishes only later
+        store.wait()
+    held = [w for w in caught if issubclass(w.category, RuntimeWarning) and "waited" in str(w.message)]
+    assert len(held) == 1, [str(w.message) for w in caught]
+    assert "max_pending=1" in str(held[0].message) and "step 2" in str(held[0].message)
+    assert store.steps() == [1, 2, 3]
+
+
 def test_a_background_failure_surfaces_on_the_future_and_on_the_next_call(tmp_path):
     slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.0)
     store = amber.open(slow)

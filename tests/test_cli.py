@@ -86,15 +86,77 @@ def test_export_and_import_round_trip_through_files(filled, tmp_path):
 def test_errors_exit_2_with_a_one_line_message(filled, tmp_path):
     cases = [
         (("ls", "nosuch://x"), "unsupported URI scheme"),
+        (("ls", "ftp://x"), "unsupported URI scheme 'ftp'; use a local path, file://, memory:// or s3://"),
         (("info", str(filled), "11"), "step 11 is not committed"),
         (("ls", str(tmp_path / "missing")), "nothing to read"),
-        (("export", str(filled), "10", str(tmp_path / "x.unknown")), "cannot tell the format"),
+        (("export", str(filled), "10", str(tmp_path / "x.unknown")), "(CLI: --format)"),
+        (("pin", str(filled), "nosuch"), "no pin named 'nosuch'"),
     ]
     for args, message in cases:
         out = run(*args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert out.stderr.startswith("amber-store: error:") and message in out.stderr
         assert "Traceback" not in out.stderr
+        as_json = run(*args, "--json")
+        assert as_json.returncode == 2 and message in json.loads(as_json.stdout)["error"], as_json
+
+
+def test_info_without_a_step_shows_the_latest_and_says_why_a_delta_step_stored_a_tensor_full(tmp_path):
+    store = amber.open(tmp_path / "ckpt")
+    store.save(1, {"w": torch.zeros(8, 8), "b": torch.zeros(4)})
+    store.save(2, {"w": torch.zeros(8, 9), "b": torch.ones(4), "new": torch.ones(2)})
+    out = run("info", str(tmp_path / "ckpt"))
+    assert out.returncode == 0 and out.stdout.startswith("step 2: delta"), out
+    assert "note: w: stored full: float32[8, 8] at base step 1, now float32[8, 9]" in out.stdout
+    assert "note: new: stored full: new since base step 1" in out.stdout
+    assert "note: b" not in out.stdout
+
+
+def test_ls_shows_times_pins_and_no_ratio_for_a_step_that_stored_nothing(tmp_path):
+    store = amber.open(tmp_path / "ckpt")
+    state = {"w": torch.ones(256)}
+    store.save(1, state)
+    store.save(2, state)  # nothing changed: nothing stored
+    store.pin(1, "first")
+    rows = json.loads(run("ls", str(tmp_path / "ckpt"), "--json").stdout)
+    assert rows[0]["pins"] == ["first"] and rows[1]["pins"] == []
+    assert rows[1]["nbytes_stored"] == 0 and rows[1]["ratio"] is None
+    assert rows[0]["created"][:2] == "20"
+    text = run("ls", str(tmp_path / "ckpt")).stdout.splitlines()
+    assert text[1].rstrip().endswith("first") and " - " in text[2]
+    assert json.loads(run("pin", str(tmp_path / "ckpt"), "--json").stdout) == {"first": 1}  # no name: list
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    store = amber.open(tmp_path / "ckpt")
+    store.save(1, {f"layer{i}": torch.zeros(2) for i in range(3000)})  # ~200 KB of info, beyond a pipe's buffer
+    out = subprocess.run(f"{' '.join(CLI)} info {tmp_path / 'ckpt'} | head -1", shell=True, capture_output=True,
+                         text=True, timeout=300)
+    assert out.stdout.startswith("step 1: full")
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+def test_du_counts_objects_and_allocated_bytes(filled):
+    du = json.loads(run("du", str(filled), "--json").stdout)
+    files = [p for p in filled.rglob("*") if p.is_file()]
+    assert du["storage"]["objects"] == len(files)
+    assert du["storage"]["bytes"] == sum(p.stat().st_size for p in files)
+    assert du["storage"]["allocated"] >= du["storage"]["bytes"]
+    assert "allocated" in run("du", str(filled)).stdout
+
+
+def test_safetensors_export_of_a_subtree_imports_back_under_it_with_the_usual_file_mode(filled, tmp_path):
+    out = tmp_path / "model.safetensors"
+    assert run("export", str(filled), "50", str(out), "--subtree", "model").returncode == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert run("import", str(tmp_path / "other"), "1", str(out)).returncode == 0
+    back = amber.open(tmp_path / "other", mode="r").load(1, lazy=False)
+    assert list(back) == ["model"]
+    assert torch.equal(back["model"]["w"], amber.open(filled, mode="r").load(50)["model"]["w"].materialize())
+    assert run("import", str(tmp_path / "top"), "1", str(out), "--subtree", "").returncode == 0
+    assert list(amber.open(tmp_path / "top", mode="r").load(1)) == ["w"]
 
 
 @pytest.mark.s3
@@ -123,3 +185,33 @@ def test_writing_commands_refuse_a_server_without_conditional_writes_unless_sing
         assert run("pin", *where, "best", "1", "--single-writer").returncode == 0
         listed = run("ls", *where, "--json")  # reading never checks
         assert listed.returncode == 0, listed.stderr
+
+
+def test_the_demo_wipes_only_its_own_earlier_store_unless_forced(tmp_path):
+    from amber_store.demo import run as demo
+
+    real = tmp_path / "real"
+    amber.open(real).save(5, {"w": torch.ones(3)})
+    quiet = {"steps": 20, "every": 10, "out": lambda line: None, "progress": False}
+    with pytest.raises(amber.AmberError, match="not the demo's .* --force"):
+        demo(str(real), **quiet)
+    assert amber.open(real, mode="r").steps() == [5]  # untouched
+    refused = run("demo", "--uri", str(real), "--steps", "20")
+    assert refused.returncode == 2 and "--force" in refused.stderr
+    assert demo(str(tmp_path / "demo"), **quiet)["verified"]
+    assert demo(str(tmp_path / "demo"), **quiet)["verified"]  # an earlier demo's store is wiped
+    assert demo(str(real), force=True, **quiet)["verified"]
+    assert amber.open(real, mode="r").steps() == [10, 20]
+
+
+def test_help_and_the_error_types_load_without_torch():
+    code = ("import sys, amber_store, amber_store.cli as cli\n"
+            "cli.parser().format_help(); amber_store.AmberError\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_an_unsupported_scheme_is_refused_before_any_io():
+    with pytest.raises(amber.InvalidURIError, match="unsupported URI scheme 'ftp'"):
+        amber.open("ftp://example.invalid/ckpt")

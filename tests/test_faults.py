@@ -325,3 +325,22 @@ def test_a_412_without_a_condition_in_its_body_means_the_commit_object_exists():
     assert asyncio.run(put_if_absent(Location(None, "s3://b/x", "s3", LosingS3(), "b/x"), "k", b"m")) is False
     with pytest.raises(OSError, match="connection reset"):
         asyncio.run(put_if_absent(Location(None, "s3://b/x", "s3", BrokenS3(), "b/x"), "k", b"m"))
+
+
+def test_a_damaged_chunk_in_an_eager_load_raises_once_with_its_chunk_and_nothing_else_is_printed(local_store, tmp_path):
+    store = local_store(chunk_bytes=1024, pack_threshold=0)
+    state = {f"t{i}": torch.randn(64, 64) for i in range(16)}
+    store.save(1, state)
+    flip_stored_byte(tmp_path / "ckpt", store, 1, "t7")
+    code = (
+        "import sys, amber_store as amber\n"
+        "try:\n"
+        "    amber.open(sys.argv[1], mode='r').load(1, lazy=False)\n"
+        "except amber.CorruptDataError as e:\n"
+        "    print(e.tensor, e.chunk)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "t7 (0, 0)"
+    assert out.stderr == ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -9,6 +11,7 @@ from zarr.core.buffer import Buffer
 from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
+from amber_store import pipeline
 from amber_store.demo import GPTConfig, TinyGPT
 from conftest import all_keys, assert_tree_bit_equal
 
@@ -59,12 +62,13 @@ class FailAfter(WrapperStore):
     def __init__(self, store):
         super().__init__(store)
         self.left: int | None = None
+        self.error: OSError | None = None
 
     def _tick(self, key: str) -> None:
         if self.left is not None:
             self.left -= 1
             if self.left < 0:
-                raise OSError(f"injected crash at {key}")
+                raise self.error or OSError(f"injected crash at {key}")
 
     async def set(self, key: str, value: Buffer) -> None:
         self._tick(key)
@@ -115,6 +119,81 @@ def test_orphaned_data_of_a_crashed_save_is_removed_by_gc(tmp_path):
     assert set(orphans) <= set(report.orphans)
     assert not [k for k in all_keys(store) if k.startswith("steps/000000000002-")]
     assert store.steps() == [1]
+
+
+def test_a_save_failing_on_a_full_disk_or_by_a_bug_removes_its_own_data_at_once(tmp_path, monkeypatch):
+    failing = FailAfter(LocalStore(tmp_path / "ckpt"))
+    store = amber.open(failing, pack_threshold=0)
+    store.save(1, {"w": torch.randn(64, 64)})
+
+    def attempts() -> list[str]:
+        return [k for k in all_keys(store) if k.startswith("steps/000000000002-")]
+
+    failing.left, failing.error = 2, OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(amber.StorageAccessError, match="No space left on device"):
+        store.save(2, {"w": torch.randn(64, 64), "b": torch.randn(64, 64)})
+    failing.left = None
+    assert not attempts()  # deleting frees the space the failure wanted
+    original = pipeline.StepWriter.add
+
+    def bug_on_second_tensor(self, key, *args, **kwargs):
+        if key == "b":
+            raise RuntimeError("a bug in the middle of a save")
+        return original(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline.StepWriter, "add", bug_on_second_tensor)
+    with pytest.raises(RuntimeError, match="a bug"):
+        store.save(2, {"w": torch.randn(64, 64), "b": torch.randn(64, 64)})
+    assert not attempts()
+    monkeypatch.undo()
+    store.save(2, {"w": torch.randn(64, 64)})
+    assert store.steps() == [1, 2]
+
+
+class FullDisk(WrapperStore):
+    """A disk of ``capacity`` bytes (``None``: unbounded); a write past it fails with ENOSPC."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.capacity: int | None = None
+
+    async def used(self) -> int:
+        return sum([await self._store.getsize(k) async for k in self._store.list_prefix("")])
+
+    async def set(self, key: str, value: Buffer) -> None:
+        if self.capacity is not None:
+            old = await self._store.getsize(key) if await self._store.exists(key) else 0
+            if await self.used() - old + len(value) > self.capacity:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        await self._store.set(key, value)
+
+
+def test_gc_on_a_full_disk_deletes_what_no_fold_reads_first_and_says_when_a_fold_cannot_fit(tmp_path):
+    from zarr.core.sync import sync
+
+    disk = FullDisk(LocalStore(tmp_path / "ckpt"))
+    store = amber.open(disk, full_every=3, base_policy="chain", pack_threshold=0)
+    g = torch.Generator().manual_seed(0)
+    states = {k: {"w": torch.randn(64, 64, generator=g)} for k in range(1, 7)}  # fulls at 1 and 4
+    for k, st in states.items():
+        store.save(k, st)
+    disk.capacity = sync(disk.used()) + 512  # full: folding step 5 off step 4 needs a tensor's room
+    report = store.gc(keep_last=2)  # deletes 1-3 (nobody reads them) before folding 5 off 4
+    assert report.rewrite == [5] and store.steps() == [5, 6]
+    for k in (5, 6):
+        assert_tree_bit_equal(store.load(k, lazy=False), states[k])
+
+    tight = FullDisk(LocalStore(tmp_path / "tight"))
+    other = amber.open(tight, pack_threshold=0)
+    for k in (1, 2):  # a full step and a delta on it: dropping 1 means folding 2, with nothing to free first
+        other.save(k, states[k])
+    tight.capacity = sync(tight.used()) + 512
+    with pytest.raises(amber.StorageAccessError, match=r"out of space folding step 2 off deleted steps \[1\]"):
+        other.gc(keep_last=1)
+    assert other.steps() == [1, 2]  # nothing lost, and the failed fold gave its space back
+    assert sync(tight.used()) <= tight.capacity
+    for k in (1, 2):
+        assert_tree_bit_equal(other.load(k, lazy=False), states[k])
 
 
 def test_gc_spares_the_data_of_a_save_that_may_still_be_running(tmp_path):

@@ -63,6 +63,14 @@ def test_nested_state_with_plain_leaves_round_trips_exactly(make_store):
     assert list(lazy["optim"]["state"]) == [0]
 
 
+def test_keys_named_like_zarr_metadata_are_stored_as_tensors(make_store):
+    state = {"zarr.json": torch.randn(8), "model": {"zarr.json": torch.randn(3)}, ".zattrs": torch.ones(2)}
+    store = make_store(pack_threshold=0)  # an array per tensor, named after its key
+    store.save(1, state)
+    store.save(2, {k: v + 1 if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    assert_tree_bit_equal(make_store(mode="r").load(1, lazy=False), state)
+
+
 @pytest.mark.parametrize("policy, chain", [("chain", [16, 17, 18, 19]), ("log", [16, 18, 19]), ("full", [16, 19])])
 def test_chain_of_twenty_deltas_with_periodic_fulls_reads_every_step_bit_exact(make_store, policy, chain):
     store = make_store(full_every=5, chunk_bytes=1024, base_policy=policy)
