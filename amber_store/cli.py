@@ -129,10 +129,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    store = _open(args, mode="r" if args.name is None else "a")
-    if args.name is not None and args.step is None:
+    store = _open(args, mode="a" if args.command == "pin" else "r")
+    if args.command == "pin" and args.step is None:
         store.unpin(args.name)
-    elif args.name is not None:
+    elif args.command == "pin":
         store.pin(args.step, args.name)
     pins = store.pins()
     print(json.dumps(pins, indent=1) if args.json else "\n".join(f"{n}: {s}" for n, s in sorted(pins.items())))
@@ -216,10 +216,11 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                     help="spare uncommitted data newer than the latest step younger than this (default 3600)")
     sp.set_defaults(func=cmd_gc)
-    sp = add("pin", "pin STEP under NAME so gc keeps it (no STEP: unpin NAME; no NAME: list); prints the pins")
-    sp.add_argument("name", nargs="?")
+    sp = add("pin", "pin STEP under NAME so gc keeps it (no STEP: unpin NAME); prints the pins")
+    sp.add_argument("name")
     sp.add_argument("step", type=int, nargs="?")
     sp.set_defaults(func=cmd_pin)
+    add("pins", "list the pins (name: step)").set_defaults(func=cmd_pin)
     sp = add("export", "write a step as .safetensors (model tensors) or a torch.save file (.pt)")
     sp.add_argument("step", type=int)
     sp.add_argument("out")

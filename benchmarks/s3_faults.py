@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import amber_store as amber  # noqa: E402
 from backends.s3servers import RcloneS3, SeaweedFS  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
+from tests.conftest import save_at_once  # noqa: E402
 
 BUCKET = "faults"
 
@@ -132,21 +133,7 @@ def race_rounds(n: int) -> dict[str, object]:
         amber.open(uri, opts).save(0, state(0, 1))
         for step in range(1, n + 1):
             stores = [amber.open(uri, opts), amber.open(uri, opts)]
-            results: list[object] = [None, None]
-            start = threading.Barrier(2)
-
-            def save(i: int) -> None:
-                start.wait()
-                try:
-                    results[i] = stores[i].save(step, state(100 * step + i, 1))
-                except amber.AmberError as e:
-                    results[i] = e
-
-            threads = [threading.Thread(target=save, args=(i,)) for i in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            results = save_at_once(stores, step, [state(100 * step + i, 1) for i in range(2)])
             won = [r for r in results if isinstance(r, amber.CommitInfo)]
             lost = [r for r in results if not isinstance(r, amber.CommitInfo)]
             if len(won) == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections import Counter
 from typing import Any, Callable
@@ -105,6 +106,27 @@ class CountingStore(WrapperStore[Any]):
         self.reads[key] += 1
         self.ranges.append((key, byte_range))
         return await self._store.get(key, prototype, byte_range)
+
+
+def save_at_once(stores: list[amber.Store], step: int, states: list[Any]) -> list[object]:
+    """Each store saves its state as ``step`` on its own thread, all started together; returns
+    each one's CommitInfo or AmberError."""
+    barrier = threading.Barrier(len(stores))
+    outcomes: list[object] = [None] * len(stores)
+
+    def save(i: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[i] = stores[i].save(step, states[i])
+        except amber.AmberError as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes
 
 
 def is_data_key(key: str) -> bool:

@@ -69,6 +69,7 @@ def test_tensors_mutated_right_after_save_async_do_not_leak_into_the_step(tmp_pa
 
 
 @pytest.mark.parametrize("max_pending", [1, 2])
+@pytest.mark.filterwarnings("ignore:.*training waited:RuntimeWarning")  # the point of this test
 def test_back_pressure_holds_at_most_max_pending_unfinished_saves(tmp_path, max_pending):
     slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.02)
     store = amber.open(slow, max_pending=max_pending)

@@ -124,7 +124,7 @@ def test_ls_shows_times_pins_and_no_ratio_for_a_step_that_stored_nothing(tmp_pat
     assert rows[0]["created"][:2] == "20"
     text = run("ls", str(tmp_path / "ckpt")).stdout.splitlines()
     assert text[1].rstrip().endswith("first") and " - " in text[2]
-    assert json.loads(run("pin", str(tmp_path / "ckpt"), "--json").stdout) == {"first": 1}  # no name: list
+    assert json.loads(run("pins", str(tmp_path / "ckpt"), "--json").stdout) == {"first": 1}
 
 
 def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):

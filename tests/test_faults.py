@@ -18,7 +18,7 @@ from zarr.storage import LocalStore, WrapperStore
 import amber_store as amber
 from amber_store import format as fmt
 from amber_store.uri import put_if_absent
-from conftest import flip_stored_byte, is_data_key, assert_bit_equal, assert_tree_bit_equal
+from conftest import flip_stored_byte, is_data_key, save_at_once, assert_bit_equal, assert_tree_bit_equal
 
 
 class FailingStore(WrapperStore):
@@ -182,21 +182,7 @@ def test_a_store_from_a_newer_format_version_is_refused(local_store, tmp_path):
 def test_two_writers_saving_the_same_step_at_once_commit_exactly_one(make_store):
     stores = [make_store(), make_store()]
     stores[0].save(1, {"x": torch.ones(3)})
-    barrier = threading.Barrier(2)
-    outcomes: list[object] = [None, None]
-
-    def save(i: int) -> None:
-        barrier.wait()
-        try:
-            outcomes[i] = stores[i].save(2, {"x": torch.full((3,), float(i))})
-        except amber.AmberError as e:
-            outcomes[i] = e
-
-    threads = [threading.Thread(target=save, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outcomes = save_at_once(stores, 2, [{"x": torch.full((3,), float(i))} for i in range(2)])
     won = [i for i, o in enumerate(outcomes) if isinstance(o, amber.CommitInfo)]
     assert len(won) == 1, outcomes
     lost = outcomes[1 - won[0]]

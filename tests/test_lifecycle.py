@@ -177,9 +177,9 @@ def test_gc_on_a_full_disk_deletes_what_no_fold_reads_first_and_says_when_a_fold
     states = {k: {"w": torch.randn(64, 64, generator=g)} for k in range(1, 7)}  # fulls at 1 and 4
     for k, st in states.items():
         store.save(k, st)
-    disk.capacity = sync(disk.used()) + 512  # full: folding step 5 off step 4 needs a tensor's room
-    report = store.gc(keep_last=2)  # deletes 1-3 (nobody reads them) before folding 5 off 4
-    assert report.rewrite == [5] and store.steps() == [5, 6]
+    disk.capacity = sync(disk.used()) + 512  # full: folding steps 5 and 6 off step 4 needs room
+    report = store.gc(keep_last=2)  # deletes 1-3 (nobody reads them) before folding 5 and 6 off 4
+    assert report.rewrite == [5, 6] and store.steps() == [5, 6]
     for k in (5, 6):
         assert_tree_bit_equal(store.load(k, lazy=False), states[k])
 

@@ -21,7 +21,7 @@ import torch
 import amber_store as amber
 from amber_store import history, pipeline
 from backends.s3servers import RcloneS3, free_port
-from conftest import BUCKET, assert_tree_bit_equal
+from conftest import BUCKET, assert_tree_bit_equal, save_at_once
 
 pytestmark = pytest.mark.s3
 
@@ -121,19 +121,7 @@ def test_racing_writers_commit_exactly_one_and_the_loser_gets_concurrent_writer_
     for step in range(1, 9):
         stores = [amber.open(s3_uri, opts), amber.open(s3_uri, opts)]
         states = [state(100 * step), state(100 * step + 1)]
-        outcomes: list[object] = [None, None]
-
-        def save(i: int) -> None:
-            try:
-                outcomes[i] = stores[i].save(step, states[i])
-            except amber.AmberError as e:
-                outcomes[i] = e
-
-        threads = [threading.Thread(target=save, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        outcomes = save_at_once(stores, step, states)
         won = [i for i, o in enumerate(outcomes) if isinstance(o, amber.CommitInfo)]
         assert len(won) == 1, (step, outcomes)
         assert isinstance(outcomes[1 - won[0]], amber.ConcurrentWriterError), (step, outcomes)
