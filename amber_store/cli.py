@@ -31,6 +31,20 @@ def _open(args: argparse.Namespace, mode: str = "r") -> Any:
                       single_writer=args.single_writer)
 
 
+def _history(args: argparse.Namespace) -> Any:
+    """The store's commits, read only, for commands that read no tensor: no torch import."""
+    from zarr.core.sync import sync
+
+    from .history import History
+    from .uri import probe, resolve
+
+    loc = resolve(args.uri, _storage_options(args), read_only=True)
+    sync(probe(loc))
+    history = History(loc, loc.store)
+    sync(history.require_root())
+    return history
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -45,13 +59,15 @@ def _ratio(raw: int, stored: int) -> float | None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    store = _open(args)
+    from zarr.core.sync import sync
+
+    history = _history(args)
     pins: dict[int, list[str]] = {}
-    for name, step in store.pins().items():
+    for name, step in sync(history.pins()).items():
         pins.setdefault(step, []).append(name)
     rows = []
-    for step in store.steps():
-        m = store.manifest(step)
+    for step in sync(history.steps()):
+        m = sync(history.manifest(step))
         rows.append({"step": step, "kind": m.kind, "base": m.base, "created": _iso(m.created),
                      "nbytes_raw": m.nbytes_raw, "nbytes_stored": m.nbytes_stored,
                      "ratio": _ratio(m.nbytes_raw, m.nbytes_stored), "tensors": len(m.tensors),
@@ -129,12 +145,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    store = _open(args, mode="a" if args.command == "pin" else "r")
-    if args.command == "pin" and args.step is None:
+    store = _open(args, mode="a")
+    if args.step is None:
         store.unpin(args.name)
-    elif args.command == "pin":
+    else:
         store.pin(args.step, args.name)
-    pins = store.pins()
+    return _print_pins(args, store.pins())
+
+
+def cmd_pins(args: argparse.Namespace) -> int:
+    from zarr.core.sync import sync
+
+    return _print_pins(args, sync(_history(args).pins()))
+
+
+def _print_pins(args: argparse.Namespace, pins: dict[str, int]) -> int:
     print(json.dumps(pins, indent=1) if args.json else "\n".join(f"{n}: {s}" for n, s in sorted(pins.items())))
     return 0
 
@@ -220,7 +245,7 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp.add_argument("step", type=int, nargs="?")
     sp.set_defaults(func=cmd_pin)
-    add("pins", "list the pins (name: step)").set_defaults(func=cmd_pin)
+    add("pins", "list the pins (name: step)").set_defaults(func=cmd_pins)
     sp = add("export", "write a step as .safetensors (model tensors) or a torch.save file (.pt)")
     sp.add_argument("step", type=int)
     sp.add_argument("out")

@@ -13,13 +13,15 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import crc32c
 import numpy as np
-import torch
 
 from .errors import UnsupportedStateError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_NAME = "amber-store"
 # 1: full/xor/same encodings. 2 adds the lossy sparse and quant encodings and TensorEntry.params.
@@ -62,29 +64,43 @@ def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
 
 # Tensors are stored as their raw bits in an unsigned integer array of the same width, which
 # is what XOR deltas work on and what lets bfloat16 (no zarr dtype) live in plain zarr.
-_BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _BITS_NUMPY = {1: np.dtype("uint8"), 2: np.dtype("uint16"), 4: np.dtype("uint32"), 8: np.dtype("uint64")}
 # numpy dtypes torch.from_numpy accepts, per width (torch lacks full uint16/32/64 support)
 _TORCHABLE_NUMPY = {1: np.dtype("uint8"), 2: np.dtype("int16"), 4: np.dtype("int32"), 8: np.dtype("int64")}
-_DTYPE_NAMES = [
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-    "uint64", "uint32", "uint16", "uint8", "bool", "float8_e4m3fn", "float8_e5m2",
-]
-DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
-_DTYPE_BY_TORCH = {v: k for k, v in DTYPES.items()}
+# Bytes per element of every dtype name the format knows (torch's names), so that reading a
+# store's metadata needs no torch import.
+ITEMSIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1, "float8_e4m3fn": 1,
+             "float8_e5m2": 1}
+
+
+@functools.cache
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str], dict[int, torch.dtype]]:
+    import torch
+
+    by_name = {n: getattr(torch, n) for n in ITEMSIZES if hasattr(torch, n)}
+    return by_name, {v: k for k, v in by_name.items()}, {1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                                          8: torch.int64}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # {dtype name: torch.dtype}, built on first use (it imports torch)
+        return _torch_dtypes()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    by_name, by_dtype, _ = _torch_dtypes()
     try:
-        return _DTYPE_BY_TORCH[dtype]
+        return by_dtype[dtype]
     except KeyError:
         raise UnsupportedStateError(
-            f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}"
+            f"dtype {dtype} is not supported; supported: {', '.join(by_name)}"
         ) from None
 
 
 def itemsize(name: str) -> int:
-    return torch.empty((), dtype=DTYPES[name]).element_size()
+    return ITEMSIZES[name]
 
 
 def bits_numpy_dtype(name: str) -> np.dtype:
@@ -94,7 +110,7 @@ def bits_numpy_dtype(name: str) -> np.dtype:
 
 def to_bits(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t``'s raw bits as a same-width integer tensor (no copy)."""
-    return t.contiguous().view(_BITS_TORCH[t.element_size()])
+    return t.contiguous().view(_torch_dtypes()[2][t.element_size()])
 
 
 def bits_to_numpy(bits: torch.Tensor) -> np.ndarray:
@@ -105,8 +121,10 @@ def bits_to_numpy(bits: torch.Tensor) -> np.ndarray:
 def numpy_to_tensor(bits: np.ndarray, name: str) -> torch.Tensor:
     """Unsigned numpy bits -> tensor of dtype ``name`` sharing its memory."""
     # (np.ascontiguousarray would turn a 0-d array into 1-d)
+    import torch
+
     signed = (bits if bits.flags.c_contiguous else bits.copy()).view(_TORCHABLE_NUMPY[bits.dtype.itemsize])
-    return torch.from_numpy(signed).view(DTYPES[name])
+    return torch.from_numpy(signed).view(_torch_dtypes()[0][name])
 
 
 # --- chunking -----------------------------------------------------------------------------
@@ -279,6 +297,8 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     The tree keeps container types (dict with str/int keys, list, tuple), key order and exact
     scalar leaves (floats as ``float.hex``), so :func:`unflatten` rebuilds an equal object.
     """
+    import torch
+
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(obj: Any, path: list[str]) -> dict[str, Any]:

@@ -68,6 +68,13 @@ class History:
         self.check_version(version)
         return int(version)
 
+    async def require_root(self) -> int:
+        """The root's format version; refuses an empty location (nothing to read)."""
+        version = await self.root_version()
+        if version is None:
+            raise NotAnAmberStoreError(f"{self.uri}: no amber-store here (nothing to read)")
+        return version
+
     async def write_root(self) -> None:
         """The root group (format version: this code's) and the ``steps`` group below it, so
         stock zarr can walk from the root to every step."""

@@ -180,14 +180,15 @@ class Store:
 
     async def _create_root(self) -> None:
         zstore = self._loc.store
+        if self.mode == "r":
+            self._root_version = await self.history.require_root()
+            return
         version = await self.history.root_version()
         if version is not None and self.mode != "w":
             self._root_version = version
             return
         if version is not None:  # mode "w": only ever wipe what is recognisably ours
             await zstore.delete_dir("")
-        if self.mode == "r":
-            raise NotAnAmberStoreError(f"{self.uri}: no amber-store here (nothing to read)")
         if not await zstore.is_empty(""):
             raise NotAnAmberStoreError(f"{self.uri}: not empty and not an amber-store; refusing to write into it")
         await self.history.write_root()

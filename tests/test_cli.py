@@ -204,12 +204,14 @@ def test_the_demo_wipes_only_its_own_earlier_store_unless_forced(tmp_path):
     assert amber.open(real, mode="r").steps() == [10, 20]
 
 
-def test_help_and_the_error_types_load_without_torch():
+def test_help_ls_and_pins_do_not_import_torch(filled):
     code = ("import sys, amber_store, amber_store.cli as cli\n"
             "cli.parser().format_help(); amber_store.AmberError\n"
+            "assert cli.main(['ls', sys.argv[1]]) == 0 and cli.main(['pins', sys.argv[1], '--json']) == 0\n"
             "print('torch' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "False", out.stderr
+    out = subprocess.run([sys.executable, "-c", code, str(filled)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "False" and "step" in out.stdout
 
 
 def test_an_unsupported_scheme_is_refused_before_any_io():
