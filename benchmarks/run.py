@@ -5,7 +5,7 @@ prints a markdown report (kept in benchmarks/results/NAME.md) and writes its raw
 JSON; this script turns those into the plots and the summary, whose every figure is a ratio
 against a peer measured in the same run.
 
-    python benchmarks/run.py            # about 12 minutes on 2 cores
+    python benchmarks/run.py            # about 17 minutes on 2 cores
     python benchmarks/run.py --quick    # a few minutes, smaller workloads
 """
 
