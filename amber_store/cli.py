@@ -92,11 +92,13 @@ def _iso(t: float) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    store = _open(args)
-    step = args.step if args.step is not None else store.latest()
-    if step is None:
-        raise amber_errors.StepNotFoundError(f"{store.uri}: the store is empty (no committed step)")
-    info = store.info(step)
+    from zarr.core.sync import sync
+
+    history = _history(args)
+    steps = sync(history.steps())
+    if not steps and args.step is None:
+        raise amber_errors.StepNotFoundError(f"{history.uri}: the store is empty (no committed step)")
+    info = sync(history.info(args.step if args.step is not None else steps[-1]))
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -180,7 +182,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_du(args: argparse.Namespace) -> int:
-    du = _open(args).du()
+    from zarr.core.sync import sync
+
+    du = sync(_history(args).du())
     if args.json:
         print(json.dumps(du, indent=1))
         return 0

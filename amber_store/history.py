@@ -19,7 +19,7 @@ from zarr.core.buffer import Buffer, default_buffer_prototype
 from . import format as fmt
 from .errors import ConcurrentWriterError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError, StepNotFoundError
 from .format import Manifest, TensorEntry
-from .uri import Location, put_atomic, put_if_absent, storage_errors
+from .uri import Location, footprint, put_atomic, put_if_absent, storage_errors
 
 PINS_DIR = "pins"
 
@@ -223,6 +223,57 @@ class History:
         await self.zstore.delete(fmt.commit_key(step))
         self._manifests.pop(step, None)
 
+    # --- reports (metadata only) ---------------------------------------------------------
+
+    async def info(self, step: int) -> dict[str, Any]:
+        """Kind, base, chain and per-tensor bytes of a committed step, as plain data."""
+        m = await self.manifest(step)
+        base = await self.manifest(m.base) if m.base is not None else None
+        tensors = {}
+        chain: set[int] = set()
+        for key, e in m.tensors.items():
+            deps = await self.dependencies(step, key)
+            chain.update(deps)
+            tensors[key] = {
+                "dtype": e.dtype,
+                "shape": e.shape,
+                "chunks": e.chunks,
+                "encoding": e.encoding,
+                "base": e.base,
+                "packed": e.pack is not None,
+                "nbytes_raw": e.nbytes,
+                "nbytes_stored": e.stored,
+                "chain": deps,
+                "note": _full_in_delta(e, base.tensors.get(key) if base is not None else None, base),
+            }
+        return {
+            "step": m.step,
+            "kind": m.kind,
+            "base": m.base,
+            "depth": m.depth,
+            "format_version": m.format_version,
+            "chain": sorted(chain),
+            "nbytes_raw": m.nbytes_raw,
+            "nbytes_stored": m.nbytes_stored,
+            "seconds": m.seconds,
+            "created": m.created,
+            "tensors": tensors,
+        }
+
+    async def du(self) -> dict[str, Any]:
+        """Stored bytes by step and by top-level group of the state, and what the whole
+        location occupies (``storage``)."""
+        by_step: dict[int, int] = {}
+        by_group: dict[str, int] = {}
+        for step in await self.steps():
+            m = await self.manifest(step)
+            by_step[step] = m.nbytes_stored
+            for key, e in m.tensors.items():
+                group = key.split("/", 1)[0]
+                by_group[group] = by_group.get(group, 0) + e.stored
+        return {"total": sum(by_step.values()), "steps": by_step, "groups": by_group,
+                "storage": await footprint(self.loc)}
+
     # --- pins ---------------------------------------------------------------------------
 
     async def pins(self) -> dict[str, int]:
@@ -244,6 +295,18 @@ class History:
             pins = await self.pins()
             raise PinNotFoundError(f"{self.uri}: no pin named {name!r} (pins: {', '.join(sorted(pins)) or 'none'})")
         await self.zstore.delete(key)
+
+
+def _full_in_delta(e: TensorEntry, was: TensorEntry | None, base: Manifest | None) -> str | None:
+    """Why a tensor of a delta step was stored whole, when it was not diffed by choice."""
+    if base is None or e.encoding != "full":
+        return None
+    if was is None:
+        return f"stored full: new since base step {base.step}"
+    if (list(was.shape), was.dtype) != (list(e.shape), e.dtype):
+        return (f"stored full: {was.dtype}{list(was.shape)} at base step {base.step}, "
+                f"now {e.dtype}{list(e.shape)}")
+    return None
 
 
 def pin_key(name: str) -> str:

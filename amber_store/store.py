@@ -38,7 +38,7 @@ from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written
 from .reader import Reader, ReadSession
 from .retention import GCReport
-from .uri import Location, footprint, is_storage_error, make_durable, probe, require_conditional_writes, resolve
+from .uri import Location, is_storage_error, make_durable, probe, require_conditional_writes, resolve
 
 Mode = Literal["r", "a", "w"]
 #: save_timeout="auto": this many seconds, plus one per AUTO_TIMEOUT_RATE bytes of state.
@@ -231,41 +231,7 @@ class Store:
 
     def info(self, step: int) -> dict[str, Any]:
         """Kind, base, chain and per-tensor bytes of a committed step, as plain data."""
-        return sync(self._info(step))
-
-    async def _info(self, step: int) -> dict[str, Any]:
-        m = await self.history.manifest(step)
-        base = await self.history.manifest(m.base) if m.base is not None else None
-        tensors = {}
-        chain: set[int] = set()
-        for key, e in m.tensors.items():
-            deps = await self.history.dependencies(step, key)
-            chain.update(deps)
-            tensors[key] = {
-                "dtype": e.dtype,
-                "shape": e.shape,
-                "chunks": e.chunks,
-                "encoding": e.encoding,
-                "base": e.base,
-                "packed": e.pack is not None,
-                "nbytes_raw": e.nbytes,
-                "nbytes_stored": e.stored,
-                "chain": deps,
-                "note": _full_in_delta(e, base.tensors.get(key) if base is not None else None, base),
-            }
-        return {
-            "step": m.step,
-            "kind": m.kind,
-            "base": m.base,
-            "depth": m.depth,
-            "format_version": m.format_version,
-            "chain": sorted(chain),
-            "nbytes_raw": m.nbytes_raw,
-            "nbytes_stored": m.nbytes_stored,
-            "seconds": m.seconds,
-            "created": m.created,
-            "tensors": tensors,
-        }
+        return sync(self.history.info(step))
 
     # --- saving -------------------------------------------------------------------------
 
@@ -560,16 +526,7 @@ class Store:
         """Stored bytes by step and by top-level group of the state (``model``, ``optim``, ...),
         and what the whole location occupies (``storage``: objects, bytes, allocated disk
         blocks; uncommitted leftovers and metadata included)."""
-        by_step: dict[int, int] = {}
-        by_group: dict[str, int] = {}
-        for step in self.steps():
-            m = self.manifest(step)
-            by_step[step] = m.nbytes_stored
-            for key, e in m.tensors.items():
-                group = key.split("/", 1)[0]
-                by_group[group] = by_group.get(group, 0) + e.stored
-        return {"total": sum(by_step.values()), "steps": by_step, "groups": by_group,
-                "storage": sync(footprint(self._loc))}
+        return sync(self.history.du())
 
     def _require_writable(self) -> None:
         if self.mode == "r":
@@ -619,18 +576,6 @@ class Store:
         m = self.manifest(step)
         lazy_sd = fmt.unflatten(m.tree, lambda key: LazyTensor(self.reader, step, key, m.tensors[key]), LazyStateDict)
         return lazy_sd if lazy else materialize(lazy_sd, device)
-
-
-def _full_in_delta(e: Any, was: Any, base: Manifest | None) -> str | None:
-    """Why a tensor of a delta step was stored whole, when it was not diffed by choice."""
-    if base is None or e.encoding != "full":
-        return None
-    if was is None:
-        return f"stored full: new since base step {base.step}"
-    if (list(was.shape), was.dtype) != (list(e.shape), e.dtype):
-        return (f"stored full: {was.dtype}{list(was.shape)} at base step {base.step}, "
-                f"now {e.dtype}{list(e.shape)}")
-    return None
 
 
 def open(
