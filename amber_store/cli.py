@@ -146,6 +146,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rm(args: argparse.Namespace) -> int:
+    report = _open(args, mode="a").delete(args.step, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+        return 0
+    verb = "would" if args.dry_run else "did"
+    print(f"{verb} delete step {args.step}; {verb} fold {len(report.rewrite)} step(s) off it: {report.rewrite}")
+    return 0
+
+
 def cmd_pin(args: argparse.Namespace) -> int:
     store = _open(args, mode="a")
     if args.step is None:
@@ -245,6 +255,10 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                     help="spare uncommitted data newer than the latest step younger than this (default 3600)")
     sp.set_defaults(func=cmd_gc)
+    sp = add("rm", "delete one step; steps that read its data are folded off it first")
+    sp.add_argument("step", type=int)
+    sp.add_argument("--dry-run", action="store_true", help="report what would happen, change nothing")
+    sp.set_defaults(func=cmd_rm)
     sp = add("pin", "pin STEP under NAME so gc keeps it (no STEP: unpin NAME); prints the pins")
     sp.add_argument("name")
     sp.add_argument("step", type=int, nargs="?")

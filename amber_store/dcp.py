@@ -25,8 +25,10 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,8 +101,9 @@ def item_key(index: MetadataIndex, kind: WriteItemType | LoadItemType) -> str:
 class AmberStorageWriter(StorageWriter):
     """A DCP StorageWriter that saves into an amber-store step (``step=None``: latest + 1).
 
-    ``options`` are :func:`amber_store.open` options (``full_every``, ``codec``, ...); the same
-    URI may be given again as DCP's ``checkpoint_id``.
+    ``options`` are :func:`amber_store.open` options (``full_every``, ``codec``, ...). DCP's
+    ``checkpoint_id`` may repeat the store's URI, or name a step of it the way per-step
+    directories do: ``<uri>/step_<N>`` saves step N of the store at ``<uri>``.
     """
 
     def __init__(self, uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
@@ -109,7 +112,7 @@ class AmberStorageWriter(StorageWriter):
         self.uri = os.fspath(uri)
         self.storage_options = storage_options
         self.options = options
-        self.step = step
+        self.step = self._step = step
         self.full = full
         self._store: Store | None = None
         self._is_coordinator = False
@@ -119,8 +122,17 @@ class AmberStorageWriter(StorageWriter):
     # DCP protocol ---------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.uri:
-            self.uri = os.fspath(checkpoint_id)
+        if checkpoint_id is None:
+            return
+        uri, step = split_checkpoint_id(checkpoint_id)
+        self.step = step if step is not None else self._step
+        if uri != self.uri:
+            if self.last_commit is not None:
+                warnings.warn(
+                    f"checkpoint_id {os.fspath(checkpoint_id)!r} is a different store than the last save's "
+                    f"({self.uri}): each store starts with a full step, so nothing is incremental; give every "
+                    "save the same id, or '<root>/step_<N>'", RuntimeWarning, stacklevel=2)
+            self.uri = uri
             self._store = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -246,6 +258,15 @@ def _promote(store: Store, bases: _RankBases) -> None:
             bases.pending = None
 
 
+def split_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, int | None]:
+    """``(store URI, step)`` of a DCP checkpoint id: ``<uri>/step_<N>`` names step N of the store
+    at ``<uri>``; anything else is a store URI (``step`` ``None``)."""
+    text = os.fspath(checkpoint_id).rstrip("/")
+    root, _, last = text.rpartition("/")
+    m = re.fullmatch(r"step_(\d+)", last)
+    return (root, int(m.group(1))) if m and root else (text, None)
+
+
 def _looks_like_uri(checkpoint_id: str | os.PathLike[str]) -> bool:
     text = os.fspath(checkpoint_id)
     return "://" in text or os.path.isabs(text) or text.startswith(".")
@@ -263,13 +284,17 @@ class AmberStorageReader(StorageReader):
         self.uri = os.fspath(uri)
         self.storage_options = storage_options
         self.options = options
-        self.step = step
+        self.step = self._step = step
         self._store: Store | None = None
         self._keys: dict[MetadataIndex, str] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.uri:
-            self.uri = os.fspath(checkpoint_id)
+        if checkpoint_id is None:
+            return
+        uri, step = split_checkpoint_id(checkpoint_id)
+        self.step = step if step is not None else self._step
+        if uri != self.uri:
+            self.uri = uri
             self._store = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -74,6 +74,46 @@ class LazyTensor:
         """Read a selection of ints, slices (positive step) and ``...``; returns a CPU tensor."""
         return sync(self._read(index))
 
+    # Used as a tensor, it reads itself whole: `model.load_state_dict(store.load(step)["model"])`
+    # (which calls `param.copy_(value)`), `torch.equal(lt, t)`, `lt + 1`, `lt.float()`.
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        return func(*_real(args), **_real(kwargs or {}))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LazyTensor:
+        return self  # a read-only handle; Optimizer.load_state_dict deep-copies what it is given
+
+    def __add__(self, other: Any) -> torch.Tensor:
+        return self.materialize() + _real(other)
+
+    def __radd__(self, other: Any) -> torch.Tensor:
+        return _real(other) + self.materialize()
+
+    def __sub__(self, other: Any) -> torch.Tensor:
+        return self.materialize() - _real(other)
+
+    def __rsub__(self, other: Any) -> torch.Tensor:
+        return _real(other) - self.materialize()
+
+    def __mul__(self, other: Any) -> torch.Tensor:
+        return self.materialize() * _real(other)
+
+    def __rmul__(self, other: Any) -> torch.Tensor:
+        return _real(other) * self.materialize()
+
+    def __truediv__(self, other: Any) -> torch.Tensor:
+        return self.materialize() / _real(other)
+
+    def __neg__(self) -> torch.Tensor:
+        return -self.materialize()
+
     async def _read(self, index: Index, session: ReadSession | None = None) -> torch.Tensor:
         region, local = _plan(index, tuple(self._entry.shape), tuple(self._entry.chunks))
         if region is None:
@@ -81,6 +121,17 @@ class LazyTensor:
             return torch.empty(shape, dtype=self.dtype)
         bits = await self._reader.read(self.step, self.key, region, session=session)
         return numpy_to_tensor(bits, self._entry.dtype)[local]
+
+
+def _real(obj: Any) -> Any:
+    """``obj`` with every LazyTensor in it (in lists, tuples, dicts) read."""
+    if isinstance(obj, LazyTensor):
+        return obj.materialize()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_real(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _real(v) for k, v in obj.items()}
+    return obj
 
 
 def _plan(index: Index, shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[tuple[slice, ...] | None, tuple[Any, ...]]:
@@ -149,6 +200,11 @@ class LazyStateDict(Mapping[Any, Any]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def _metadata(self) -> Any:
+        """The saved ``OrderedDict``'s module versions, which ``load_state_dict`` consults."""
+        return getattr(self._items, "_metadata", None)
 
     def __repr__(self) -> str:
         return f"LazyStateDict({list(self._items)!r})"

@@ -65,7 +65,7 @@ class CheckpointManager:
                    force: bool = False) -> Future[CommitInfo] | CommitInfo | None:
         """Save if ``step`` is a multiple of ``every`` (or ``force``). Returns the future of an
         async save, the CommitInfo of a synchronous one, or ``None`` when it did not save."""
-        if not force and step % self.every:
+        if not force and not self.should_save(step):
             return None
         state: dict[str, Any] = {"step": step}
         if model is not None:
@@ -103,6 +103,26 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for pending saves (and their retention); raise any failure."""
         self.store.wait()
+
+    # Orbax CheckpointManager's names, for those who know them.
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`maybe_save` saves at ``step``."""
+        return step % self.every == 0
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return self.store.steps()
+
+    def latest_step(self) -> int | None:
+        return self.store.latest()
+
+    def delete(self, step: int) -> None:
+        """Remove one step (steps that read its data are folded off it first)."""
+        self.store.delete(step)
+
+    def wait_until_finished(self) -> None:
+        self.wait()
 
     def close(self) -> None:
         try:

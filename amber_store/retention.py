@@ -83,10 +83,17 @@ async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[i
 
 def gc(store: Store, keep_last: int | None, keep_every: int | None, *, dry_run: bool = False,
        grace_seconds: float = 3600.0) -> GCReport:
+    steps = store.steps()
+    return remove(store, select(steps, keep_last, keep_every, store.pins().values()), steps, dry_run=dry_run,
+                  grace_seconds=grace_seconds)
+
+
+def remove(store: Store, keep: list[int], steps: list[int], *, dry_run: bool = False,
+           grace_seconds: float = 3600.0) -> GCReport:
+    """Delete every step of ``steps`` not in ``keep``, folding kept steps off them first, then
+    sweep unreferenced objects."""
     t0 = time.perf_counter()
     history = store.history
-    steps = store.steps()
-    keep = select(steps, keep_last, keep_every, store.pins().values())
     deleted = sorted(set(steps) - set(keep))
     needed = {k: sync(_deleted_deps(history, k, set(deleted))) for k in keep}
     rewrite = [k for k in keep if needed[k]]

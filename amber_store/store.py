@@ -495,6 +495,22 @@ class Store:
         self._require_writable()
         return retention.gc(self, keep_last, keep_every, dry_run=dry_run, grace_seconds=grace_seconds)
 
+    def delete(self, step: int, *, dry_run: bool = False) -> GCReport:
+        """Remove one committed step. Steps that read its data are folded off it first (as
+        :meth:`gc` does), so every other step still materializes bit-exactly; safe to
+        interrupt. A pinned step is refused: unpin it first."""
+        self._require_writable()
+        self.wait()
+        self.manifest(step)  # StepNotFoundError if it is not committed
+        pinned = sorted(name for name, s in self.pins().items() if s == step)
+        if pinned:
+            raise AmberError(f"{self.uri}: step {step} is pinned ({', '.join(pinned)}); unpin it first")
+        steps = self.steps()
+        report = retention.remove(self, [s for s in steps if s != step], steps, dry_run=dry_run)
+        if not dry_run and self.history.last_commit == step:
+            self.history.last_commit = None  # this writer's newest step is gone: it may go on
+        return report
+
     def pin(self, step: int, name: str) -> None:
         """Keep ``step`` through every ``gc`` until ``unpin(name)``."""
         self._require_writable()

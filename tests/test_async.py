@@ -166,6 +166,19 @@ def test_checkpoint_manager_resume_continues_bit_identically(make_store, locatio
     manager.close()
 
 
+def test_manager_answers_to_orbax_names(tmp_path):
+    manager = amber.CheckpointManager(str(tmp_path / "ckpt"), every=2)
+    model = torch.nn.Linear(3, 3)
+    for step in range(1, 7):
+        assert manager.should_save(step) == (step % 2 == 0)
+        manager.maybe_save(step, model=model)
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2, 4, 6] and manager.latest_step() == 6
+    manager.delete(4)
+    assert manager.all_steps() == [2, 6]
+    manager.close()
+
+
 def test_manager_without_async_and_config_errors(tmp_path):
     with pytest.raises(ValueError, match="uri"):
         amber.CheckpointManager.from_config({"every": 3})

@@ -218,3 +218,13 @@ def test_commands_that_read_no_tensor_do_not_import_torch(filled):
 def test_an_unsupported_scheme_is_refused_before_any_io():
     with pytest.raises(amber.InvalidURIError, match="unsupported URI scheme 'ftp'"):
         amber.open("ftp://example.invalid/ckpt")
+
+
+def test_rm_deletes_one_step_and_every_other_step_still_verifies(filled):
+    dry = json.loads(run("rm", str(filled), "40", "--dry-run", "--json").stdout)
+    assert dry["delete"] == [40] and dry["rewrite"] == [50, 60]  # deltas on the full step 40
+    assert amber.open(filled, mode="r").steps() == [10, 20, 30, 40, 50, 60, 70]
+    out = run("rm", str(filled), "40")
+    assert out.returncode == 0 and "fold 2 step(s)" in out.stdout, out
+    assert amber.open(filled, mode="r").steps() == [10, 20, 30, 50, 60, 70]
+    assert run("verify", str(filled)).returncode == 0

@@ -97,6 +97,24 @@ def test_two_consecutive_dcp_saves_in_one_process_make_the_second_a_small_delta(
     assert not torch.equal(old["model"]["1.weight"], model[1].weight.detach())
 
 
+def test_per_step_checkpoint_ids_are_steps_of_one_incremental_store(tmp_path):
+    root = str(tmp_path / "run")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+    writer = AmberStorageWriter(root)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=f"{root}/step_100", storage_writer=writer)
+    with torch.no_grad():
+        model[1].weight[0, 0] += 1
+    dcp.save({"model": model.state_dict()}, checkpoint_id=f"{root}/step_200", storage_writer=writer)
+    store = amber.open(root, mode="r")
+    assert store.steps() == [100, 200] and store.manifest(200).kind == "delta"
+    old = {"model": torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)).state_dict()}
+    dcp.load(old, checkpoint_id=f"{root}/step_100", storage_reader=AmberStorageReader(root))
+    assert not torch.equal(old["model"]["1.weight"], model[1].weight.detach())
+    assert torch.equal(old["model"]["0.weight"], model[0].weight.detach())
+    with pytest.warns(RuntimeWarning, match="nothing is incremental"):
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "elsewhere"), storage_writer=writer)
+
+
 def test_dcp_async_save_works_through_the_writer(tmp_path):
     uri = str(tmp_path / "ckpt")
     state = {"w": torch.randn(128, 128)}

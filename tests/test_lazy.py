@@ -86,3 +86,25 @@ def test_materialize_returns_plain_containers_on_the_requested_device(make_store
     assert type(out["m"]) is dict and type(out["l"]) is list and type(out["t"]) is tuple
     assert_bit_equal(out["m"]["w"], state["m"]["w"])
     assert amber.materialize(store.load(1)["l"])[1] == 5
+
+
+def test_a_lazy_state_dict_loads_into_a_module_and_lazy_tensors_work_as_tensors(local_store):
+    torch.manual_seed(0)
+
+    def make() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+
+    model = make()
+    model(torch.randn(4, 8))  # BatchNorm running statistics move
+    store = local_store()
+    store.save(1, {"model": model.state_dict()})
+    lazy = store.load(1)["model"]
+    fresh = make()
+    fresh.load_state_dict(lazy)  # no materialize() needed
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert_bit_equal(a, b)
+    assert lazy._metadata == model.state_dict()._metadata  # module versions reach load_state_dict
+    w, lt = model[0].weight.detach(), lazy["0.weight"]
+    assert torch.equal(lt, w) and torch.equal(lt + 1, w + 1) and torch.equal(1 - lt, 1 - w)
+    assert torch.equal(torch.cat([lt, w]), torch.cat([w, w])) and lt.sum().item() == w.sum().item()
+    assert lt.double().dtype == torch.float64

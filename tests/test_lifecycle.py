@@ -196,6 +196,28 @@ def test_gc_on_a_full_disk_deletes_what_no_fold_reads_first_and_says_when_a_fold
         assert_tree_bit_equal(other.load(k, lazy=False), states[k])
 
 
+def test_deleting_one_step_keeps_every_other_step_bit_exact_and_the_writer_saving(make_store):
+    store = make_store(full_every=4, base_policy="chain")
+    g = torch.Generator().manual_seed(3)
+    states = {}
+    for k in range(1, 7):
+        states[k] = {"w": torch.randn(64, 64, generator=g), "step": k}
+        store.save(k, states[k])
+    report = store.delete(2)  # 3 and 4 read step 2's data
+    assert report.rewrite == [3, 4] and store.steps() == [1, 3, 4, 5, 6]
+    store.delete(6)  # this writer's newest step
+    states[7] = {"w": torch.randn(64, 64, generator=g), "step": 7}
+    store.save(7, states[7])
+    reader = make_store(mode="r")
+    for k in (1, 3, 4, 5, 7):
+        assert_tree_bit_equal(reader.load(k, lazy=False), states[k])
+    store.pin(5, "best")
+    with pytest.raises(amber.AmberError, match="step 5 is pinned \\(best\\); unpin it first"):
+        store.delete(5)
+    with pytest.raises(amber.StepNotFoundError):
+        store.delete(2)
+
+
 def test_gc_spares_the_data_of_a_save_that_may_still_be_running(tmp_path):
     store = amber.open(tmp_path / "ckpt")
     store.save(1, {"w": torch.ones(8)})
