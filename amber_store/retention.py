@@ -1,20 +1,23 @@
 """Retention and garbage collection that never breaks a delta chain.
 
-``gc`` keeps the last N steps, every K-th step and the pinned ones, and deletes the rest in three
-phases, each safe to interrupt:
+``gc`` keeps the last N steps, every K-th step and the pinned ones (``Store.delete`` keeps all
+but one), and deletes the rest in phases, each safe to interrupt:
 
-1. **Fold**: every kept step with a tensor whose chain passes through a step to delete is
+1. **Drop what no fold reads**: steps to delete that no kept step's chain passes through are
+   uncommitted (newest first) and their objects swept, so a full disk gets space back before
+   anything is written.
+2. **Fold**: every kept step with a tensor whose chain passes through a step to delete is
    rewritten, oldest first: that tensor is re-encoded as a delta against the previous *kept*
    step (or full, when there is none), into a new attempt group, and the step's manifest is
-   then replaced atomically. Its materialized bits do not change.
-2. **Uncommit**: the manifests of the deleted steps are removed, newest first. No kept step
-   reads them now, and a deleted step not yet uncommitted still has all of its bases.
-3. **Sweep**: every object under ``steps/`` that no remaining manifest references is deleted,
+   then replaced atomically. Its materialized bits do not change. A fold that fails (a full
+   disk) deletes its own group and stops gc with a message naming the step.
+3. **Uncommit** the remaining steps to delete, newest first: no kept step reads them now, and a
+   deleted step not yet uncommitted still has all of its bases.
+4. **Sweep**: every object under ``steps/`` that no remaining manifest references is deleted,
    including the data of crashed saves, except attempt groups of steps newer than the latest
    commit that are younger than ``grace_seconds`` (a save may be writing them right now).
 
-Interrupted anywhere, every kept step still loads, and running ``gc`` again finishes the job.
-"""
+Interrupted anywhere, every kept step still loads, and running ``gc`` again finishes the job."""
 
 from __future__ import annotations
 
