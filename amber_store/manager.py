@@ -11,16 +11,19 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 
+from . import retention
 from .store import CommitInfo, Store, open
 
 
 class CheckpointManager:
     """Saves every ``every`` steps (in the background by default), keeps storage bounded with
-    ``keep_last``/``keep_every`` retention, and restores model and optimizer.
+    ``keep_last``/``keep_every`` retention (plus the ``keep_best`` steps by ``best_fn`` of the
+    ``metrics`` given to :meth:`maybe_save`, ``best_mode`` "min" or "max", as Orbax and
+    Lightning's top-k do), and restores model and optimizer.
 
     The saved state is ``{"model": ..., "optim": ..., "extra": ..., "step": step}``. Retention
     runs on the save thread right after each commit, so it never stalls training. Other keyword
@@ -36,6 +39,9 @@ class CheckpointManager:
         full_every: int = 10,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_fn: str | Callable[[Mapping[str, float]], float] = "loss",
+        best_mode: Literal["min", "max"] = "min",
         codec: Any = "xor",
         storage_options: dict[str, Any] | None = None,
         async_save: bool = True,
@@ -46,6 +52,7 @@ class CheckpointManager:
         self.every = every
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.best = None if keep_best is None else retention.BestN(keep_best, best_fn, best_mode)
         self.async_save = async_save
         self.store: Store = open(uri, storage_options, mode="a", full_every=full_every, codec=codec, **store_options)
         self.extra: Any = None
@@ -62,9 +69,11 @@ class CheckpointManager:
 
     def maybe_save(self, step: int, *, model: torch.nn.Module | None = None,
                    optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
+                   metrics: Mapping[str, float] | None = None,
                    force: bool = False) -> Future[CommitInfo] | CommitInfo | None:
-        """Save if ``step`` is a multiple of ``every`` (or ``force``). Returns the future of an
-        async save, the CommitInfo of a synchronous one, or ``None`` when it did not save."""
+        """Save if ``step`` is a multiple of ``every`` (or ``force``). ``metrics`` (e.g.
+        ``{"loss": ...}``) rank steps for ``keep_best``. Returns the future of an async save,
+        the CommitInfo of a synchronous one, or ``None`` when it did not save."""
         if not force and not self.should_save(step):
             return None
         state: dict[str, Any] = {"step": step}
@@ -75,14 +84,14 @@ class CheckpointManager:
         if extra is not None:
             state["extra"] = extra
         if not self.async_save:
-            info = self.store.save(step, state)
+            info = self.store.save(step, state, metrics=metrics)
             self._retain(info)
             return info
-        return self.store.save_async(step, state, after=self._retain)
+        return self.store.save_async(step, state, metrics=metrics, after=self._retain)
 
     def _retain(self, info: CommitInfo) -> None:
-        if self.keep_last is not None or self.keep_every is not None:
-            self.store.gc(self.keep_last, self.keep_every)
+        if self.keep_last is not None or self.best is not None:
+            self.store.gc(self.keep_last, self.keep_every, policy=self.best)
 
     def restore(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                 step: int | None = None) -> int | None:

@@ -29,7 +29,8 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 import torch
 from zarr.core.buffer import default_buffer_prototype
@@ -63,16 +64,107 @@ class GCReport:
         return dataclasses.asdict(self)
 
 
-def select(steps: list[int], keep_last: int | None, keep_every: int | None, pinned: Iterable[int]) -> list[int]:
-    """Steps a retention policy keeps. ``keep_last=None`` keeps every step."""
+# --- policies: which steps to keep, apart from the mechanism that deletes --------------------
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What a retention policy sees of a committed step."""
+
+    step: int
+    metrics: Mapping[str, float]
+    pinned: bool
+
+
+class Retention(Protocol):
+    """A retention policy: for committed steps (ascending), whether to keep each."""
+
+    def should_preserve(self, infos: Sequence[StepInfo]) -> list[bool]: ...
+
+
+@dataclass(frozen=True)
+class LatestN:
+    """The newest ``n`` steps."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError("keep_last must be >= 1: the latest step is always kept")
+
+    def should_preserve(self, infos: Sequence[StepInfo]) -> list[bool]:
+        return [i >= len(infos) - self.n for i in range(len(infos))]
+
+
+@dataclass(frozen=True)
+class EveryNSteps:
+    """Every step divisible by ``n``."""
+
+    n: int
+
+    def should_preserve(self, infos: Sequence[StepInfo]) -> list[bool]:
+        return [info.step % self.n == 0 for info in infos]
+
+
+@dataclass(frozen=True)
+class BestN:
+    """The ``n`` steps with the best ``metric`` (a name in the metrics saved with the step, or a
+    function of them); ``mode="min"`` (loss) or ``"max"`` (accuracy). Steps saved without it
+    are not candidates; on a tie the older step wins."""
+
+    n: int
+    metric: str | Callable[[Mapping[str, float]], float]
+    mode: Literal["min", "max"] = "min"
+
+    def should_preserve(self, infos: Sequence[StepInfo]) -> list[bool]:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {self.mode!r}")
+        scored = []
+        for i, info in enumerate(infos):
+            if callable(self.metric):
+                score = self.metric(info.metrics)
+            elif self.metric in info.metrics:
+                score = info.metrics[self.metric]
+            else:
+                continue
+            scored.append((score if self.mode == "min" else -score, i))
+        best = {i for _, i in sorted(scored)[: self.n]}
+        return [i in best for i in range(len(infos))]
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """Every pinned step."""
+
+    def should_preserve(self, infos: Sequence[StepInfo]) -> list[bool]:
+        return [info.pinned for info in infos]
+
+
+class AnyOf:
+    """Keep a step if any of the policies keeps it."""
+
+    def __init__(self, *policies: Retention) -> None:
+        self.policies = policies
+
+    def should_preserve(self, infos: Sequence[StepInfo]) -> list[bool]:
+        votes = [p.should_preserve(infos) for p in self.policies]
+        return [any(v) for v in zip(*votes)] if votes else [False] * len(infos)
+
+
+def policy(keep_last: int | None, keep_every: int | None) -> Retention | None:
+    """``gc(keep_last, keep_every)`` as a policy; ``None`` (keep every step) without keep_last."""
     if keep_last is None:
+        return None
+    return AnyOf(LatestN(keep_last), *([EveryNSteps(keep_every)] if keep_every else []))
+
+
+def select(store: Store, retention: Retention | None, steps: list[int]) -> list[int]:
+    """The steps to keep: those ``retention`` preserves, every pinned step, and the latest."""
+    if retention is None:
         return list(steps)
-    if keep_last < 1:
-        raise ValueError("keep_last must be >= 1: the latest step is always kept")
-    keep = set(steps[-keep_last:]) | set(pinned)
-    if keep_every:
-        keep |= {s for s in steps if s % keep_every == 0}
-    return sorted(keep & set(steps))
+    pinned = set(store.pins().values())
+    infos = [StepInfo(s, store.manifest(s).extra.get("metrics", {}), s in pinned) for s in steps]
+    keep = AnyOf(retention, Pinned()).should_preserve(infos)
+    return [s for s, k in zip(steps, keep) if k] + ([steps[-1]] if steps and not keep[-1] else [])
 
 
 async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[int]:
@@ -84,11 +176,9 @@ async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[i
     return out
 
 
-def gc(store: Store, keep_last: int | None, keep_every: int | None, *, dry_run: bool = False,
-       grace_seconds: float = 3600.0) -> GCReport:
+def gc(store: Store, retention: Retention | None, *, dry_run: bool = False, grace_seconds: float = 3600.0) -> GCReport:
     steps = store.steps()
-    return remove(store, select(steps, keep_last, keep_every, store.pins().values()), steps, dry_run=dry_run,
-                  grace_seconds=grace_seconds)
+    return remove(store, select(store, retention, steps), steps, dry_run=dry_run, grace_seconds=grace_seconds)
 
 
 def remove(store: Store, keep: list[int], steps: list[int], *, dry_run: bool = False,

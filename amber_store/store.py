@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import math
 import os
 import time
 import uuid
@@ -20,6 +21,7 @@ import warnings
 from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Callable, Literal
 
 import torch
@@ -235,22 +237,25 @@ class Store:
 
     # --- saving -------------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: Any, *, full: bool | None = None) -> CommitInfo:
+    def save(self, step: int, state_dict: Any, *, full: bool | None = None,
+             metrics: Mapping[str, float] | None = None) -> CommitInfo:
         """Save ``state_dict`` as ``step`` and commit it; deltas are encoded on the tensors'
         device.
 
         ``full=True`` forces a full step, ``full=False`` a delta (when a base exists), ``None``
-        follows ``full_every``. Raises :class:`StepOrderError` unless ``step`` is newer than
-        every committed step. On any error nothing becomes visible. Waits for pending
-        :meth:`save_async` calls first.
+        follows ``full_every``. ``metrics`` (name -> number, e.g. ``{"loss": 2.31}``) are kept in
+        the manifest, for retention by metric (``gc(policy=retention.BestN(...))``). Raises
+        :class:`StepOrderError` unless ``step`` is newer than every committed step. On any error
+        nothing becomes visible. Waits for pending :meth:`save_async` calls first.
         """
         self._require_writable()
         self.wait()
         t0 = time.perf_counter()
         tree, tensors = self._validate(step, state_dict)
-        return self._save_now(step, tree, tensors, full, t0)
+        return self._save_now(step, tree, tensors, full, t0, _metrics(metrics))
 
     def save_async(self, step: int, state_dict: Any, *, full: bool | None = None,
+                   metrics: Mapping[str, float] | None = None,
                    after: Callable[[CommitInfo], None] | None = None) -> Future[CommitInfo]:
         """Snapshot ``state_dict`` and save it in the background; returns once the snapshot is
         taken, so training may update its tensors right away.
@@ -269,6 +274,7 @@ class Store:
         self._background.raise_failure()
         t0 = time.perf_counter()
         tree, tensors = self._validate(step, state_dict)
+        scores = _metrics(metrics)
         if self._submitted is not None and step <= self._submitted:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the pending save of step {self._submitted}")
         waited = self._background.reserve()
@@ -287,7 +293,7 @@ class Store:
         self._submitted = step
 
         def work() -> CommitInfo:
-            info = self._save_now(step, tree, snapshot, full, t0)
+            info = self._save_now(step, tree, snapshot, full, t0, scores)
             if after is not None:
                 after(info)
             return info
@@ -305,10 +311,10 @@ class Store:
         return fmt.flatten(state_dict)
 
     def _save_now(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
-                  t0: float) -> CommitInfo:
+                  t0: float, metrics: dict[str, float]) -> CommitInfo:
         """Check the step against the store as it is now, then write and commit it."""
         try:
-            manifest = sync(self._save(step, tree, tensors, full, t0))
+            manifest = sync(self._save(step, tree, tensors, full, t0, metrics))
         except Exception as e:
             if isinstance(e, AmberError) or not is_storage_error(e):
                 raise
@@ -325,13 +331,13 @@ class Store:
         return self.save_timeout
 
     async def _save(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
-                    t0: float) -> Manifest:
+                    t0: float, metrics: dict[str, float]) -> Manifest:
         timeout = self._timeout(tensors)
         deadline = None if timeout is None else time.monotonic() + timeout
         group = fmt.step_group(step, uuid.uuid4().hex[:8])
         try:
             manifest, latest, values = await asyncio.wait_for(
-                self._stage(step, group, tree, tensors, full, t0, deadline), timeout)
+                self._stage(step, group, tree, tensors, full, t0, deadline, metrics), timeout)
         except (asyncio.TimeoutError, TimeoutError) as e:
             if deadline is None or time.monotonic() < deadline:
                 raise  # one request's own timeout
@@ -366,7 +372,7 @@ class Store:
             await asyncio.wait_for(self._loc.store.delete_dir(group), DISCARD_TIMEOUT)
 
     async def _stage(self, step: int, group: str, tree: dict[str, Any], tensors: dict[str, torch.Tensor],
-                     full: bool | None, t0: float, deadline: float | None) -> tuple[Manifest, int | None, dict[str, torch.Tensor]]:
+                     full: bool | None, t0: float, deadline: float | None, metrics: dict[str, float]) -> tuple[Manifest, int | None, dict[str, torch.Tensor]]:
         """Write and seal everything of the step but its commit; returns its manifest, the
         latest step seen before, and the step's values as later deltas' bases."""
         history = self.history
@@ -406,6 +412,7 @@ class Store:
             writer=history.writer_id,
             packs=written.packs,
             segment=[step] if base is None else prev.segment + [step],  # type: ignore[union-attr]
+            extra={"metrics": metrics} if metrics else {},
         )
         return manifest, latest, written.values
 
@@ -481,19 +488,25 @@ class Store:
 
     # --- lifecycle ----------------------------------------------------------------------
 
-    def gc(self, keep_last: int | None = None, keep_every: int | None = None, *, dry_run: bool = False,
+    def gc(self, keep_last: int | None = None, keep_every: int | None = None, *,
+           policy: retention.Retention | None = None, dry_run: bool = False,
            grace_seconds: float = 3600.0) -> GCReport:
         """Delete steps outside the retention policy without breaking any kept step.
 
         Keeps the last ``keep_last`` steps (``None``: all), every step divisible by
-        ``keep_every``, and every pinned step; kept steps that depend on deleted ones are folded
-        first, so they still materialize bit-exactly. Also removes the data of crashed saves
-        (of a step newer than the latest commit only once ``grace_seconds`` old: it may be a
-        save in progress). Safe to interrupt; see :mod:`amber_store.retention`. Run it from the
-        writing process, or while no other process saves or reads.
+        ``keep_every``, the steps ``policy`` preserves (e.g. ``retention.BestN(3, "loss")`` over
+        the ``metrics`` saved with each step; any of these), every pinned step and the latest.
+        Kept steps that depend on deleted ones are folded first, so they still materialize
+        bit-exactly. Also removes the data of crashed saves (of a step newer than the latest
+        commit only once ``grace_seconds`` old: it may be a save in progress). Safe to
+        interrupt; see :mod:`amber_store.retention`. Run it from the writing process, or while
+        no other process saves or reads.
         """
         self._require_writable()
-        return retention.gc(self, keep_last, keep_every, dry_run=dry_run, grace_seconds=grace_seconds)
+        rules = retention.policy(keep_last, keep_every)
+        if policy is not None:
+            rules = policy if rules is None else retention.AnyOf(rules, policy)
+        return retention.gc(self, rules, dry_run=dry_run, grace_seconds=grace_seconds)
 
     def delete(self, step: int, *, dry_run: bool = False) -> GCReport:
         """Remove one committed step. Steps that read its data are folded off it first (as
@@ -592,6 +605,18 @@ class Store:
         m = self.manifest(step)
         lazy_sd = fmt.unflatten(m.tree, lambda key: LazyTensor(self.reader, step, key, m.tensors[key]), LazyStateDict)
         return lazy_sd if lazy else materialize(lazy_sd, device)
+
+
+def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+    """Metrics as stored in a manifest: string names, finite numbers."""
+    out = {}
+    for name, value in (metrics or {}).items():
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"metrics map names to numbers, not {name!r}: {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"metric {name!r} is {value}: a retention policy cannot rank it")
+        out[name] = float(value)
+    return out
 
 
 def open(

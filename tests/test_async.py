@@ -179,6 +179,16 @@ def test_manager_answers_to_orbax_names(tmp_path):
     manager.close()
 
 
+def test_manager_keeps_the_best_steps_by_a_metric_like_top_k(tmp_path):
+    manager = amber.CheckpointManager(str(tmp_path / "ckpt"), every=1, keep_best=2, best_fn="acc", best_mode="max")
+    model = torch.nn.Linear(3, 3)
+    for step, acc in enumerate([0.5, 0.9, 0.7, 0.8, 0.6], start=1):
+        manager.maybe_save(step, model=model, metrics={"acc": acc})
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2, 4, 5]  # the two best, and the latest
+    manager.close()
+
+
 def test_manager_without_async_and_config_errors(tmp_path):
     with pytest.raises(ValueError, match="uri"):
         amber.CheckpointManager.from_config({"every": 3})

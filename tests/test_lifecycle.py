@@ -218,6 +218,42 @@ def test_deleting_one_step_keeps_every_other_step_bit_exact_and_the_writer_savin
         store.delete(2)
 
 
+def test_retention_policies_compose_and_rank_by_saved_metrics():
+    from amber_store.retention import AnyOf, BestN, EveryNSteps, LatestN, StepInfo
+
+    infos = [StepInfo(s, {"loss": loss} if loss is not None else {}, False)
+             for s, loss in [(10, 3.0), (20, 1.0), (30, None), (40, 2.0), (50, 1.0), (60, 4.0)]]
+    assert LatestN(2).should_preserve(infos) == [False] * 4 + [True] * 2
+    assert EveryNSteps(20).should_preserve(infos) == [False, True, False, True, False, True]
+    assert BestN(2, "loss").should_preserve(infos) == [False, True, False, False, True, False]
+    assert BestN(1, "loss").should_preserve(infos) == [False, True] + [False] * 4  # a tie: the older step
+    assert BestN(1, "loss", "max").should_preserve(infos) == [False] * 5 + [True]
+    assert BestN(1, lambda m: -m.get("loss", 0.0)).should_preserve(infos) == [False] * 5 + [True]
+    assert AnyOf(LatestN(1), BestN(1, "loss")).should_preserve(infos) == [False, True, False, False, False, True]
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        LatestN(0)
+
+
+def test_gc_keeps_the_best_steps_by_metric_plus_pinned_and_latest_bit_exact(make_store):
+    from amber_store.retention import BestN
+
+    store = make_store(full_every=3)
+    g = torch.Generator().manual_seed(5)
+    losses = {1: 3.0, 2: 1.5, 3: 2.5, 4: 0.5, 5: 2.0, 6: 4.0, 7: 3.5}
+    states = {}
+    for k, loss in losses.items():
+        states[k] = {"w": torch.randn(32, 32, generator=g)}
+        store.save(k, states[k], metrics={"loss": loss})
+    store.pin(1, "first")
+    report = store.gc(policy=BestN(2, "loss"))
+    assert report.keep == [1, 2, 4, 7]  # the two best (4, 2), the pinned 1, the latest 7
+    for k in report.keep:
+        assert_tree_bit_equal(store.load(k, lazy=False), states[k])
+    assert store.manifest(4).extra["metrics"] == {"loss": 0.5}
+    with pytest.raises(ValueError, match="cannot rank it"):
+        store.save(8, states[7], metrics={"loss": float("nan")})
+
+
 def test_gc_spares_the_data_of_a_save_that_may_still_be_running(tmp_path):
     store = amber.open(tmp_path / "ckpt")
     store.save(1, {"w": torch.ones(8)})
