@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 import crc32c
 import numpy as np
 
-from .errors import UnsupportedStateError
+from .errors import FormatVersionError, UnsupportedStateError
 
 if TYPE_CHECKING:
     import torch
@@ -365,7 +365,10 @@ def unflatten(tree: dict[str, Any], leaf: Callable[[str], Any], mapping: Callabl
         return tuple(unflatten(v, leaf, mapping) for v in body)
     if kind == "float":
         return float.fromhex(body)
-    return body
+    if kind == "value":
+        return body
+    # A node kind of a newer format must never be read as a plain value.
+    raise FormatVersionError(f"unknown state tree node {kind!r}: written by a newer amber-store; upgrade amber-store")
 
 
 # --- manifests ----------------------------------------------------------------------------

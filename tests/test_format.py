@@ -134,3 +134,9 @@ def test_gc_on_an_older_store_folds_its_steps_into_the_current_format_and_they_s
     store.save(4, state)  # the first save after the upgrade: full, in the current format
     assert store.manifest(4).kind == "full"
     assert_tree_bit_equal(amber.open(copy, mode="r").load(4, lazy=False), state)
+
+
+def test_an_unknown_state_tree_node_is_refused_not_read_as_a_value():
+    tree = {"dict": [["path", {"posixpath": "/data"}], ["lr", {"value": 0.1}]]}
+    with pytest.raises(amber.FormatVersionError, match="unknown state tree node 'posixpath'"):
+        fmt.unflatten(tree, lambda key: None)
