@@ -232,7 +232,8 @@ class Reader:
 
 async def gather(aws: Iterable[Any]) -> list[Any]:
     """Await all, in order; on the first failure cancel the rest and wait for them, then raise
-    it, so no read outlives the call that failed (nor reports to a closed loop at exit)."""
+    it, so no read (or delete) outlives the call that failed, nor reports to a closed loop at
+    exit."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return await asyncio.gather(*tasks)

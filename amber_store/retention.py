@@ -40,6 +40,7 @@ from . import format as fmt
 from .format import Manifest
 from .errors import StorageAccessError
 from .history import History
+from .reader import gather
 
 if TYPE_CHECKING:
     from .store import Store
@@ -345,4 +346,4 @@ async def _delete_all(history: History, keys: list[str]) -> None:
         async with sem:
             await history.zstore.delete(k)
 
-    await asyncio.gather(*(one(k) for k in keys))
+    await gather(one(k) for k in keys)

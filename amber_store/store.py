@@ -38,7 +38,7 @@ from .format import Manifest
 from .history import PARENTS, History, json_buffer
 from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written
-from .reader import Reader, ReadSession
+from .reader import Reader, ReadSession, gather
 from .retention import GCReport
 from .uri import Location, is_storage_error, make_durable, probe, require_conditional_writes, resolve
 
@@ -479,7 +479,7 @@ class Store:
                 bits = fmt.to_bits(fmt.numpy_to_tensor(await self.reader.read(holder, key, session=session), entry.dtype))
             return Base(holder, entry, bits)
 
-        return dict(zip(keys, await asyncio.gather(*(one(k) for k in keys))))
+        return dict(zip(keys, await gather(one(k) for k in keys)))
 
     def materialized(self, step: int, key: str) -> torch.Tensor:
         """The whole tensor ``key`` of ``step``, read now."""
@@ -585,7 +585,7 @@ class Store:
                 return str(err)
             return None
 
-        errors = await asyncio.gather(*(one(key) for key in m.tensors))
+        errors = await gather(one(key) for key in m.tensors)
         return dict(zip(m.tensors, errors))
 
     # --- loading ------------------------------------------------------------------------
