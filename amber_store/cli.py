@@ -33,16 +33,20 @@ def _open(args: argparse.Namespace, mode: str = "r") -> Any:
 
 def _history(args: argparse.Namespace) -> Any:
     """The store's commits, read only, for commands that read no tensor: no torch import."""
+    from .history import History
+    from .uri import connect
+
+    loc = connect(args.uri, _storage_options(args), read_only=True)
+    history = History(loc, loc.store)
+    _sync(history.require_root())
+    return history
+
+
+def _sync(coro: Any) -> Any:
+    """Run a coroutine on zarr's event loop (imported here: ``--help`` needs no zarr)."""
     from zarr.core.sync import sync
 
-    from .history import History
-    from .uri import probe, resolve
-
-    loc = resolve(args.uri, _storage_options(args), read_only=True)
-    sync(probe(loc))
-    history = History(loc, loc.store)
-    sync(history.require_root())
-    return history
+    return sync(coro)
 
 
 def _human(n: float) -> str:
@@ -59,15 +63,13 @@ def _ratio(raw: int, stored: int) -> float | None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from zarr.core.sync import sync
-
     history = _history(args)
     pins: dict[int, list[str]] = {}
-    for name, step in sync(history.pins()).items():
+    for name, step in _sync(history.pins()).items():
         pins.setdefault(step, []).append(name)
     rows = []
-    for step in sync(history.steps()):
-        m = sync(history.manifest(step))
+    for step in _sync(history.steps()):
+        m = _sync(history.manifest(step))
         rows.append({"step": step, "kind": m.kind, "base": m.base, "created": _iso(m.created),
                      "nbytes_raw": m.nbytes_raw, "nbytes_stored": m.nbytes_stored,
                      "ratio": _ratio(m.nbytes_raw, m.nbytes_stored), "tensors": len(m.tensors),
@@ -92,13 +94,14 @@ def _iso(t: float) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from zarr.core.sync import sync
-
     history = _history(args)
-    steps = sync(history.steps())
-    if not steps and args.step is None:
-        raise amber_errors.StepNotFoundError(f"{history.uri}: the store is empty (no committed step)")
-    info = sync(history.info(args.step if args.step is not None else steps[-1]))
+    step = args.step
+    if step is None:  # the latest
+        steps = _sync(history.steps())
+        if not steps:
+            raise amber_errors.StepNotFoundError(f"{history.uri}: the store is empty (no committed step)")
+        step = steps[-1]
+    info = _sync(history.info(step))
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -166,9 +169,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_pins(args: argparse.Namespace) -> int:
-    from zarr.core.sync import sync
-
-    return _print_pins(args, sync(_history(args).pins()))
+    return _print_pins(args, _sync(_history(args).pins()))
 
 
 def _print_pins(args: argparse.Namespace, pins: dict[str, int]) -> int:
@@ -192,9 +193,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_du(args: argparse.Namespace) -> int:
-    from zarr.core.sync import sync
-
-    du = sync(_history(args).du())
+    du = _sync(_history(args).du())
     if args.json:
         print(json.dumps(du, indent=1))
         return 0

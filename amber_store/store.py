@@ -40,7 +40,7 @@ from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written
 from .reader import Reader, ReadSession, gather
 from .retention import GCReport
-from .uri import Location, is_storage_error, make_durable, probe, require_conditional_writes, resolve
+from .uri import Location, connect, is_storage_error, make_durable, require_conditional_writes
 
 Mode = Literal["r", "a", "w"]
 #: save_timeout="auto": this many seconds, plus one per AUTO_TIMEOUT_RATE bytes of state.
@@ -637,6 +637,5 @@ def open(
     if isinstance(uri, ZarrStore):
         loc = Location(uri, repr(uri), "zarr")
     else:
-        loc = resolve(uri, storage_options, read_only=mode == "r")
-        sync(probe(loc))
+        loc = connect(uri, storage_options, read_only=mode == "r")
     return Store(loc, mode=mode, **options)

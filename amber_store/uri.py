@@ -69,10 +69,10 @@ class Location:
         _close_fs(self.fs)
 
 
-# S3 filesystems with a client session, closed at exit. This hook is registered after zarr's
-# (amber_store imports zarr first), so it runs while zarr's event loop, which the sessions
-# live on, still runs.
-_SESSIONS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# S3 filesystems with a client session, and the event loop (zarr's) the session lives on;
+# closed at exit. This hook is registered after zarr's (amber_store imports zarr first), so it
+# runs while that loop still runs.
+_SESSIONS: "weakref.WeakKeyDictionary[Any, asyncio.AbstractEventLoop]" = weakref.WeakKeyDictionary()
 
 
 @atexit.register
@@ -83,10 +83,9 @@ def _close_sessions() -> None:
 
 def _close_fs(fs: Any) -> None:
     client = getattr(fs, "_s3", None)
-    if client is not None:
+    if client is not None and fs in _SESSIONS:
         fs._s3 = None
-        with suppress(Exception):
-            sync(client.close(), timeout=10)
+        _close_client(client, _SESSIONS[fs])
 
 
 def _close_client(client: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -168,6 +167,14 @@ def resolve(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None 
     return Location(store, text, scheme, fs=store.fs, path=store.path)
 
 
+def connect(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
+            read_only: bool = False) -> Location:
+    """Resolve ``uri`` and check now that its storage can be used (:func:`probe`)."""
+    loc = resolve(uri, storage_options, read_only=read_only)
+    sync(probe(loc))
+    return loc
+
+
 async def put_if_absent(loc: Location, key: str, data: bytes) -> bool:
     """Create ``key`` holding ``data`` only if it does not exist; ``False`` if it did.
 
@@ -225,18 +232,18 @@ def _fsync_all(root: Path, keys: list[str]) -> None:
     dirs: set[Path] = set()
     for key in keys:
         path = root / key
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path)
         dirs.update(p for p in path.parents if p == root or root in p.parents)
     for d in dirs:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(d)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_aside(path: Path, data: bytes) -> Path:
@@ -311,8 +318,9 @@ async def probe(loc: Location) -> None:
         if getattr(loc.fs, "_s3", None) is not None:
             # Close the client's connections when the filesystem goes, or at exit: aiohttp
             # warns about every session still open then.
-            weakref.finalize(loc.fs, _close_client, loc.fs._s3, asyncio.get_running_loop()).atexit = False
-            _SESSIONS.add(loc.fs)
+            loop = asyncio.get_running_loop()
+            weakref.finalize(loc.fs, _close_client, loc.fs._s3, loop).atexit = False
+            _SESSIONS[loc.fs] = loop
 
 
 async def footprint(loc: Location) -> dict[str, int]:
