@@ -122,18 +122,12 @@ class AmberStorageWriter(StorageWriter):
     # DCP protocol ---------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is None:
-            return
-        uri, step = split_checkpoint_id(checkpoint_id)
-        self.step = step if step is not None else self._step
-        if uri != self.uri:
-            if self.last_commit is not None:
-                warnings.warn(
-                    f"checkpoint_id {os.fspath(checkpoint_id)!r} is a different store than the last save's "
-                    f"({self.uri}): each store starts with a full step, so nothing is incremental; give every "
-                    "save the same id, or '<root>/step_<N>'", RuntimeWarning, stacklevel=2)
-            self.uri = uri
-            self._store = None
+        previous = self.uri
+        if _retarget(self, checkpoint_id) and self.last_commit is not None:
+            warnings.warn(
+                f"checkpoint_id {os.fspath(checkpoint_id)!r} is a different store than the last save's "
+                f"({previous}): each store starts with a full step, so nothing is incremental; give every "
+                "save the same id, or '<root>/step_<N>'", RuntimeWarning, stacklevel=2)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._is_coordinator = is_coordinator
@@ -267,6 +261,19 @@ def split_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, int
     return (root, int(m.group(1))) if m and root else (text, None)
 
 
+def _retarget(adapter: AmberStorageWriter | AmberStorageReader, checkpoint_id: str | os.PathLike[str] | None) -> bool:
+    """Point a writer or reader at DCP's ``checkpoint_id`` (its step, or the one it was built
+    with); whether that is another store than before."""
+    if checkpoint_id is None:
+        return False
+    uri, step = split_checkpoint_id(checkpoint_id)
+    adapter.step = step if step is not None else adapter._step
+    if uri == adapter.uri:
+        return False
+    adapter.uri, adapter._store = uri, None
+    return True
+
+
 def _looks_like_uri(checkpoint_id: str | os.PathLike[str]) -> bool:
     text = os.fspath(checkpoint_id)
     return "://" in text or os.path.isabs(text) or text.startswith(".")
@@ -289,13 +296,7 @@ class AmberStorageReader(StorageReader):
         self._keys: dict[MetadataIndex, str] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is None:
-            return
-        uri, step = split_checkpoint_id(checkpoint_id)
-        self.step = step if step is not None else self._step
-        if uri != self.uri:
-            self.uri = uri
-            self._store = None
+        _retarget(self, checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         store = self._open()

@@ -164,8 +164,8 @@ def select(store: Store, retention: Retention | None, steps: list[int]) -> list[
         return list(steps)
     pinned = set(store.pins().values())
     infos = [StepInfo(s, store.manifest(s).extra.get("metrics", {}), s in pinned) for s in steps]
-    keep = AnyOf(retention, Pinned()).should_preserve(infos)
-    return [s for s, k in zip(steps, keep) if k] + ([steps[-1]] if steps and not keep[-1] else [])
+    keep = AnyOf(retention, Pinned(), LatestN(1)).should_preserve(infos)
+    return [s for s, k in zip(steps, keep) if k]
 
 
 async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[int]:
