@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -68,10 +69,21 @@ def export(store: Store, step: int, path: str | os.PathLike[str], *, format: For
     save_file(tensors, str(path), metadata={"amber_store.step": str(step), "amber_store.subtree": subtree or ""})
     # safetensors writes through a private temporary file (mode 0600); give the file the mode
     # any new file gets here, as torch.save's does.
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
+    path.chmod(_new_file_mode(path.parent))
     return path
+
+
+def _new_file_mode(directory: Path) -> int:
+    """The permissions a new file gets in ``directory`` (0o666 less the umask), learnt by
+    creating one: reading the umask means setting it, process-wide, under other threads' feet
+    (a background save creating files at that moment would get them world-writable)."""
+    probe = directory / f".amber-mode-{uuid.uuid4().hex}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def import_checkpoint(store: Store, step: int, path: str | os.PathLike[str], *, format: Format | None = None,
