@@ -13,7 +13,7 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NamedTuple
 
 import crc32c
 import numpy as np
@@ -74,28 +74,33 @@ ITEMSIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8
              "float8_e5m2": 1}
 
 
+class _TorchDtypes(NamedTuple):
+    by_name: dict[str, torch.dtype]
+    by_dtype: dict[torch.dtype, str]
+    bits: dict[int, torch.dtype]  # the same-width integer dtype raw bits are viewed as
+
+
 @functools.cache
-def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str], dict[int, torch.dtype]]:
+def _torch_dtypes() -> _TorchDtypes:
     import torch
 
     by_name = {n: getattr(torch, n) for n in ITEMSIZES if hasattr(torch, n)}
-    return by_name, {v: k for k, v in by_name.items()}, {1: torch.uint8, 2: torch.int16, 4: torch.int32,
-                                                          8: torch.int64}
+    return _TorchDtypes(by_name, {v: k for k, v in by_name.items()},
+                        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
 
 
 def __getattr__(name: str) -> Any:
     if name == "DTYPES":  # {dtype name: torch.dtype}, built on first use (it imports torch)
-        return _torch_dtypes()[0]
+        return _torch_dtypes().by_name
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    by_name, by_dtype, _ = _torch_dtypes()
     try:
-        return by_dtype[dtype]
+        return _torch_dtypes().by_dtype[dtype]
     except KeyError:
         raise UnsupportedStateError(
-            f"dtype {dtype} is not supported; supported: {', '.join(by_name)}"
+            f"dtype {dtype} is not supported; supported: {', '.join(_torch_dtypes().by_name)}"
         ) from None
 
 
@@ -110,7 +115,7 @@ def bits_numpy_dtype(name: str) -> np.dtype:
 
 def to_bits(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t``'s raw bits as a same-width integer tensor (no copy)."""
-    return t.contiguous().view(_torch_dtypes()[2][t.element_size()])
+    return t.contiguous().view(_torch_dtypes().bits[t.element_size()])
 
 
 def bits_to_numpy(bits: torch.Tensor) -> np.ndarray:
@@ -124,7 +129,7 @@ def numpy_to_tensor(bits: np.ndarray, name: str) -> torch.Tensor:
     import torch
 
     signed = (bits if bits.flags.c_contiguous else bits.copy()).view(_TORCHABLE_NUMPY[bits.dtype.itemsize])
-    return torch.from_numpy(signed).view(_torch_dtypes()[0][name])
+    return torch.from_numpy(signed).view(_torch_dtypes().by_name[name])
 
 
 # --- chunking -----------------------------------------------------------------------------

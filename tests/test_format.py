@@ -140,3 +140,8 @@ def test_an_unknown_state_tree_node_is_refused_not_read_as_a_value():
     tree = {"dict": [["path", {"posixpath": "/data"}], ["lr", {"value": 0.1}]]}
     with pytest.raises(amber.FormatVersionError, match="unknown state tree node 'posixpath'"):
         fmt.unflatten(tree, lambda key: None)
+
+
+def test_the_torch_free_item_size_table_agrees_with_torch():
+    for name, dtype in fmt.DTYPES.items():
+        assert fmt.ITEMSIZES[name] == torch.empty((), dtype=dtype).element_size(), name
