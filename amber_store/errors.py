@@ -61,9 +61,12 @@ class UnsupportedStateError(AmberError, TypeError):
 
 
 class CorruptDataError(AmberError):
-    """Stored data failed its checksum, or is missing, while being read."""
+    """Stored data failed its checksum, is missing, or cannot be read safely.
 
-    def __init__(self, message: str, *, step: int, tensor: str, chunk: tuple[int, ...] | None = None):
+    ``step`` and ``tensor`` name the damaged tensor; ``None`` for a value of the state tree."""
+
+    def __init__(self, message: str, *, step: int | None = None, tensor: str | None = None,
+                 chunk: tuple[int, ...] | None = None):
         super().__init__(message)
         self.step = step
         self.tensor = tensor

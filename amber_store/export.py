@@ -46,6 +46,16 @@ def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each repeat of one tensor (a tied weight) copied: safetensors refuses
+    tensors that share memory, and a file holds every key."""
+    out, seen = {}, set()
+    for k, t in tensors.items():
+        out[k] = t.clone() if id(t) in seen else t
+        seen.add(id(t))
+    return out
+
+
 def export(store: Store, step: int, path: str | os.PathLike[str], *, format: Format | None = None,
            subtree: str | None = None) -> Path:
     """Write ``step`` to ``path``. torch: the whole state, exactly as saved, via ``torch.save``.
@@ -63,7 +73,7 @@ def export(store: Store, step: int, path: str | os.PathLike[str], *, format: For
         subtree = "model"
     for part in subtree.split("/") if subtree else []:
         node = node[part]
-    tensors = flat_tensors(materialize(node))
+    tensors = untied(flat_tensors(materialize(node)))
     if not tensors:
         raise UnsupportedStateError(f"step {step}: no tensors under {subtree or 'the root'!r} to export")
     save_file(tensors, str(path), metadata={"amber_store.step": str(step), "amber_store.subtree": subtree or ""})

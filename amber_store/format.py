@@ -7,9 +7,12 @@ versioned: readers refuse a ``format_version`` newer than :data:`FORMAT_VERSION`
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
 import json
 import math
+import pathlib
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NamedTuple
 import crc32c
 import numpy as np
 
-from .errors import FormatVersionError, UnsupportedStateError
+from .errors import CorruptDataError, FormatVersionError, UnsupportedStateError
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +30,9 @@ FORMAT_NAME = "amber-store"
 # 1: full/xor/same encodings. 2 adds the lossy sparse and quant encodings and TensorEntry.params.
 # 3: few objects per step: small tensors packed, one sharded object per large tensor, array
 # metadata consolidated into the step group, chunk offsets in the manifest.
-FORMAT_VERSION = 3
+# 4: more leaf kinds in the state tree (numpy, bytes, paths, sets, torch dtype/device/Size, keys
+# that are not str/int), and aliased tensors stored once (several nodes name one tensor key).
+FORMAT_VERSION = 4
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
 STEPS_DIR = "steps"
@@ -214,6 +219,13 @@ def region_crcs(
         yield flat, idx, crc32c.crc32c(np.ascontiguousarray(data[local]).data)
 
 
+def tensor_crcs(t: torch.Tensor, chunks: list[int] | tuple[int, ...]) -> list[int]:
+    """The per-chunk checksums a manifest lists for ``t`` stored with ``chunks``."""
+    data = bits_to_numpy(to_bits(t.detach().cpu()))
+    shape = tuple(t.shape)
+    return [crc for _, _, crc in region_crcs(data, whole(shape), shape, tuple(chunks))]
+
+
 # --- zarr metadata -----------------------------------------------------------------------
 
 def array_name(key: str) -> str:
@@ -285,6 +297,9 @@ def step_group_metadata(step: int, created: float, arrays: dict[str, dict[str, A
 # --- state-dict tree ----------------------------------------------------------------------
 
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
+# Leaf classes rebuilt by name: an allow-list, so that loading never imports or runs code.
+_PATHS = {cls.__name__: cls for cls in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath,
+                                        pathlib.WindowsPath)}
 
 
 @functools.lru_cache(maxsize=1 << 16, typed=True)  # the same keys come back at every save
@@ -296,33 +311,71 @@ def escape_segment(key: str | int) -> str:
     return s
 
 
+def _key_segment(key: Any) -> str:
+    """The path segment of a dict key. Keys other than str/int start with '@', which
+    :func:`escape_segment` never emits, so they cannot collide with a str key's segment."""
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        return escape_segment(key)
+    return "@" + escape_segment(repr(key))
+
+
+def _npy(array: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _from_npy(text: str) -> np.ndarray:
+    try:
+        return np.lib.format.read_array(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+    except ValueError as e:  # e.g. an object array, which only pickle could make: never loaded
+        raise CorruptDataError(f"a numpy value in the state tree cannot be read safely ({e})") from e
+
+
+def _tensor_alias(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same tensor: one storage, offset, shape, strides and dtype
+    (tied weights). Partly overlapping views are not aliases: each is stored on its own."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Split a nested state dict into a JSON tree and ``{tensor key: tensor}``.
 
-    The tree keeps container types (dict with str/int keys, list, tuple), key order and exact
-    scalar leaves (floats as ``float.hex``), so :func:`unflatten` rebuilds an equal object.
+    The tree keeps container types (dict, OrderedDict, list, tuple, set, frozenset), key order
+    and exact leaves, so :func:`unflatten` rebuilds an equal object of the same types. Tensors
+    that alias one another (tied weights) are stored once: each of their nodes names the key of
+    the first. numpy arrays of a dtype torch has are stored as tensors too (delta-coded); other
+    numpy values go into the tree as ``.npy`` bytes, written and read without pickle.
     """
     import torch
 
     tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[tuple[Any, ...], str] = {}
+
+    def tensor(t: torch.Tensor, path: list[str], where: str) -> str:
+        alias = _tensor_alias(t)
+        if alias in aliases:
+            return aliases[alias]
+        key = "/".join(path) if path else "_"
+        if key in tensors:
+            raise UnsupportedStateError(f"two tensors map to the same key {key!r}")
+        dtype_name(t.dtype)
+        if t.is_sparse or t.layout != torch.strided:
+            raise UnsupportedStateError(f"{where}: only strided (dense) tensors are supported")
+        tensors[key] = t
+        if alias is not None:
+            aliases[alias] = key
+        return key
 
     def walk(obj: Any, path: list[str]) -> dict[str, Any]:
         where = "/".join(path) or "<root>"
         if isinstance(obj, torch.Tensor):
-            key = "/".join(path) if path else "_"
-            if key in tensors:
-                raise UnsupportedStateError(f"two tensors map to the same key {key!r}")
-            dtype_name(obj.dtype)
-            if obj.is_sparse or obj.layout != torch.strided:
-                raise UnsupportedStateError(f"{where}: only strided (dense) tensors are supported")
-            tensors[key] = obj
-            return {"tensor": key}
+            return {"tensor": tensor(obj, path, where)}
         if isinstance(obj, dict):
-            items = []
-            for k, v in obj.items():
-                if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    raise UnsupportedStateError(f"{where}: dict key {k!r} must be str or int")
-                items.append([k, walk(v, path + [escape_segment(k)])])
+            items = [[k if isinstance(k, str) or type(k) is int else key(k, where), walk(v, path + [_key_segment(k)])]
+                     for k, v in obj.items()]
             if not isinstance(obj, OrderedDict):
                 return {"dict": items}
             # nn.Module.state_dict() is an OrderedDict whose _metadata (per-module versions)
@@ -332,17 +385,50 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             if meta is not None:
                 node["metadata"] = walk(meta, path + ["_metadata"])
             return node
-        if isinstance(obj, (list, tuple)):
-            kind = "tuple" if isinstance(obj, tuple) else "list"
+        if isinstance(obj, torch.Size):
+            return {"size": list(obj)}
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            kind = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}[
+                next(c for c in (list, tuple, set, frozenset) if isinstance(obj, c))]
             return {kind: [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.isnative and obj.dtype.name in ITEMSIZES:
+                array = np.ascontiguousarray(obj)
+                return {"ndarray": tensor(torch.from_numpy(array if array.flags.writeable else array.copy()),
+                                          path, where)}
+            return {"npy": npy(obj, where)}
+        if isinstance(obj, np.generic):
+            return {"npscalar": npy(np.asarray(obj), where)}
         if isinstance(obj, float):
             return {"float": obj.hex()}
         if obj is None or isinstance(obj, (bool, int, str)):
             return {"value": obj}
+        if isinstance(obj, (bytes, bytearray)):
+            return {"bytearray" if isinstance(obj, bytearray) else "bytes": base64.b64encode(obj).decode()}
+        if _PATHS.get(type(obj).__name__) is type(obj):
+            return {"path": [type(obj).__name__, str(obj)]}
+        if isinstance(obj, torch.dtype):
+            return {"dtype": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"device": str(obj)}
         raise UnsupportedStateError(
-            f"{where}: cannot store a {type(obj).__name__}; leaves must be tensors, int, float, "
-            "str, bool or None"
+            f"{where}: cannot store a {type(obj).__name__}; leaves must be tensors, numpy arrays or scalars, "
+            "int, float, str, bool, None, bytes, pathlib paths, torch.dtype, torch.device or torch.Size"
         )
+
+    def npy(array: np.ndarray, where: str) -> str:
+        try:
+            return _npy(array)
+        except ValueError as e:  # object arrays need pickle
+            raise UnsupportedStateError(f"{where}: cannot store a numpy array of dtype {array.dtype} ({e})") from e
+
+    def key(k: Any, where: str) -> dict[str, Any]:
+        def holds_tensor(o: Any) -> bool:
+            return isinstance(o, torch.Tensor) or (isinstance(o, (tuple, frozenset)) and any(map(holds_tensor, o)))
+
+        if holds_tensor(k):
+            raise UnsupportedStateError(f"{where}: dict key {k!r} holds a tensor")
+        return walk(k, [])
 
     return walk(state, []), tensors
 
@@ -351,29 +437,71 @@ def unflatten(tree: dict[str, Any], leaf: Callable[[str], Any], mapping: Callabl
     """Rebuild the nested object; ``leaf(key)`` supplies each tensor (or a lazy stand-in).
 
     Each dict is rebuilt with its saved type (dict, or OrderedDict with ``_metadata``) and
-    then passed through ``mapping``, which the lazy loader uses to wrap it.
+    then passed through ``mapping``, which the lazy loader uses to wrap it. Nodes that name the
+    same tensor key get what ``leaf`` returns for it (callers return one object per key).
     """
     kind = next(iter(tree))
     body = tree[kind]
+
+    def dict_key(k: Any) -> Any:
+        return unflatten(k, leaf) if isinstance(k, dict) else k
+
     if kind == "tensor":
         return leaf(body)
     if kind == "dict":
-        return mapping({k: unflatten(v, leaf, mapping) for k, v in body})
+        return mapping({dict_key(k): unflatten(v, leaf, mapping) for k, v in body})
     if kind == "odict":
-        d: OrderedDict[Any, Any] = OrderedDict((k, unflatten(v, leaf, mapping)) for k, v in body)
+        d: OrderedDict[Any, Any] = OrderedDict((dict_key(k), unflatten(v, leaf, mapping)) for k, v in body)
         if "metadata" in tree:
             d._metadata = unflatten(tree["metadata"], leaf)  # type: ignore[attr-defined]
         return mapping(d)
-    if kind == "list":
-        return [unflatten(v, leaf, mapping) for v in body]
-    if kind == "tuple":
-        return tuple(unflatten(v, leaf, mapping) for v in body)
-    if kind == "float":
-        return float.fromhex(body)
-    if kind == "value":
-        return body
+    if kind in _CONTAINERS:
+        return _CONTAINERS[kind](unflatten(v, leaf, mapping) for v in body)
+    if kind == "ndarray":
+        return leaf(body).numpy()  # a LazyTensor reads itself here
+    if kind in _LEAVES:
+        return _LEAVES[kind](body)
     # A node kind of a newer format must never be read as a plain value.
     raise FormatVersionError(f"unknown state tree node {kind!r}: written by a newer amber-store; upgrade amber-store")
+
+
+def _path(body: list[str]) -> pathlib.PurePath:
+    cls = _PATHS[body[0]]
+    try:
+        return cls(body[1])
+    except NotImplementedError:
+        # a WindowsPath saved on Windows cannot be made on POSIX (nor the reverse): its pure form can
+        return (pathlib.PureWindowsPath if body[0] == "WindowsPath" else pathlib.PurePosixPath)(body[1])
+
+
+def _torch_attr(kind: str) -> Callable[[Any], Any]:
+    def make(body: Any) -> Any:
+        import torch
+
+        if kind == "dtype":
+            dtype = getattr(torch, body, None)
+            if not isinstance(dtype, torch.dtype):
+                raise FormatVersionError(f"unknown torch dtype {body!r}: written by a newer torch or amber-store")
+            return dtype
+        return torch.device(body) if kind == "device" else torch.Size(body)
+
+    return make
+
+
+_CONTAINERS: dict[str, Callable[[Iterator[Any]], Any]] = {"list": list, "tuple": tuple, "set": set,
+                                                          "frozenset": frozenset}
+_LEAVES: dict[str, Callable[[Any], Any]] = {
+    "float": float.fromhex,
+    "value": lambda body: body,
+    "bytes": base64.b64decode,
+    "bytearray": lambda body: bytearray(base64.b64decode(body)),
+    "npy": _from_npy,
+    "npscalar": lambda body: _from_npy(body)[()],
+    "path": _path,
+    "dtype": _torch_attr("dtype"),
+    "device": _torch_attr("device"),
+    "size": _torch_attr("size"),
+}
 
 
 # --- manifests ----------------------------------------------------------------------------

@@ -209,9 +209,19 @@ class LazyStateDict(Mapping[Any, Any]):
     def __repr__(self) -> str:
         return f"LazyStateDict({list(self._items)!r})"
 
+    def copy(self) -> dict[Any, Any]:
+        """A plain, mutable copy with every tensor below read (concurrently): code that copies a
+        state dict before consuming all of it, as ``Optimizer.load_state_dict`` does, gets
+        real tensors. Same as :meth:`materialize`."""
+        return self.materialize()
+
     def materialize(self, device: torch.device | str | None = None) -> dict[Any, Any]:
         """Read every tensor below this mapping (concurrently) into plain dicts of tensors."""
         return materialize(self, device)
+
+
+# The containers a state tree rebuilds (exact types: a torch.Size is a tuple but holds no tensors).
+_SEQUENCES = (list, tuple, set, frozenset)
 
 
 def _lazy_leaves(obj: Any) -> Iterator[LazyTensor]:
@@ -220,14 +230,14 @@ def _lazy_leaves(obj: Any) -> Iterator[LazyTensor]:
     elif isinstance(obj, (LazyStateDict, dict)):
         for v in obj.values():
             yield from _lazy_leaves(v)
-    elif isinstance(obj, (list, tuple)):
+    elif type(obj) in _SEQUENCES:
         for v in obj:
             yield from _lazy_leaves(v)
 
 
 def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
     """Replace every :class:`LazyTensor` in a tree by its tensor; containers become plain."""
-    leaves = list(_lazy_leaves(obj))
+    leaves = list({id(lt): lt for lt in _lazy_leaves(obj)}.values())  # tied weights: read once
 
     async def read_all() -> list[torch.Tensor]:
         sem = asyncio.Semaphore(_MAX_CONCURRENT_TENSORS)
@@ -250,10 +260,8 @@ def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
             for k in out:
                 out[k] = rebuild(out[k])
             return out
-        if isinstance(o, list):
-            return [rebuild(v) for v in o]
-        if isinstance(o, tuple):
-            return tuple(rebuild(v) for v in o)
+        if type(o) in _SEQUENCES:
+            return type(o)(rebuild(v) for v in o)
         return o
 
     return rebuild(obj)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import math
 import os
 import time
@@ -602,8 +603,17 @@ class Store:
             step = self.latest()
             if step is None:
                 raise StepNotFoundError(f"{self.uri}: the store is empty (no committed step)")
+        return self._load(step, None, lazy, device)
+
+    def _load(self, step: int, tree: dict[str, Any] | None, lazy: bool, device: torch.device | str | None) -> Any:
+        """:meth:`load`, with ``tree`` (naming tensors of ``step``) in place of the step's own."""
         m = self.manifest(step)
-        lazy_sd = fmt.unflatten(m.tree, lambda key: LazyTensor(self.reader, step, key, m.tensors[key]), LazyStateDict)
+
+        @functools.cache  # tied weights: one LazyTensor, so one tensor, for all their keys
+        def leaf(key: str) -> LazyTensor:
+            return LazyTensor(self.reader, step, key, m.tensors[key])
+
+        lazy_sd = fmt.unflatten(m.tree if tree is None else tree, leaf, LazyStateDict)
         return lazy_sd if lazy else materialize(lazy_sd, device)
 
 

@@ -8,6 +8,7 @@ import uuid
 from collections import Counter
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 from zarr.abc.store import ByteRequest
@@ -181,6 +182,8 @@ def assert_tree_bit_equal(a: Any, b: Any) -> None:
         assert len(a) == len(b)
         for x, y in zip(a, b):
             assert_tree_bit_equal(x, y)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     elif isinstance(a, float) and a != a:
         assert b != b
     else:

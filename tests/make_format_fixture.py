@@ -1,8 +1,8 @@
 """Writes the small reference store of the on-disk format (docs/FORMAT.md).
 
-``python tests/make_format_fixture.py tests/data/format-v3`` made the newest committed copy
-(``format-v1`` and ``-v2`` were made by the code of their versions, with ``expected(1)`` and
-``expected(2)``); the tests read every
+``python tests/make_format_fixture.py tests/data/format-v4`` made the newest committed copy
+(``format-v1`` to ``-v3`` were made by the code of their versions, with ``expected(1)`` to
+``expected(3)``); the tests read every
 committed copy back with the current code, so a change that breaks old stores fails CI, and
 also read back what this script writes today. Never edit a committed copy by hand; when the
 format version changes, add a new ``format-vN`` directory and keep the old ones.
@@ -10,9 +10,11 @@ format version changes, add a new ``format-vN`` directory and keep the old ones.
 
 from __future__ import annotations
 
+import pathlib
 import sys
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 
@@ -26,10 +28,11 @@ def lossy_policy() -> list:
             ("lossy/p", amber.QuantizedDeltaCodec(bits=8, min_numel=1))]
 
 
-def expected(version: int = 3) -> dict[int, dict]:
+def expected(version: int = 4) -> dict[int, dict]:
     """The state saved at each step: full, xor delta, then same/new/shape-change/removed; from
     version 2 on also a quantized and a sparse tensor; from version 3 on a packed tensor that
-    changes every step and a packed quantized one."""
+    changes every step and a packed quantized one; from version 4 on the newer leaf kinds and
+    a tensor tied to model/w."""
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
     model = OrderedDict(w=w, b=torch.linspace(-1, 1, 5).to(torch.bfloat16), mask=torch.tensor([True, False, True]))
     model._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() returns
@@ -58,6 +61,15 @@ def expected(version: int = 3) -> dict[int, dict]:
         for step, state in states.items():
             state["small"] = torch.arange(4, dtype=torch.float64) * step
             state["lossy"]["p"] = torch.linspace(-1, 1, 5) * (1 + 0.05 * step)
+    if version >= 4:
+        for step, state in states.items():
+            state["tied"] = state["model"]["w"]
+            state["leaves"] = {
+                "rng": np.arange(6, dtype=np.uint32) * step, "names": np.array(["a", "bc"]), "np": np.float64(step),
+                "path": pathlib.PurePosixPath(f"/data/{step}"), "dtype": torch.bfloat16, "device": torch.device("cpu"),
+                "size": torch.Size([step, 2]), "bytes": bytes([step]), "set": {step, "s"}, "frozenset": frozenset({1}),
+                (step, "tuple key"): bytearray(b"x"),
+            }
     return states
 
 

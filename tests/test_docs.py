@@ -17,7 +17,8 @@ def block_after(heading: str) -> str:
     return re.search(r"```python\n(.*?)```", README[README.index(heading):], re.S).group(1)
 
 
-@pytest.mark.parametrize("heading", ["## Quickstart", "### In a training loop"])
+@pytest.mark.parametrize("heading", ["## Quickstart", "### In a training loop", "### With Lightning",
+                                     "### With Hugging Face"])
 def test_readme_example_runs_as_pasted_and_again(heading, tmp_path):
     code = block_after(heading)
     for _ in range(2):  # a second run finds the first's checkpoints (resumes, or starts over with mode="w")

@@ -44,9 +44,13 @@ def check_reference_store(path: Path, version: int) -> None:
         assert entries["small"].encoding == "xor" and entries["small"].pack is not None
         assert entries["lossy/p"].encoding == "quant" and entries["lossy/p"].pack is not None
         assert entries["lossy/q"].index is not None and len(entries["lossy/q"].chunks) == 2
+    if version >= 4:
+        got = store.load(2, lazy=False)
+        assert got["tied"] is got["model"]["w"] and "tied" not in store.manifest(2).tensors
+        assert store.manifest(2).tensors["leaves/rng"].encoding == "xor"
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_every_committed_format_version_reads_back_with_the_current_code(tmp_path, version):
     copy = tmp_path / f"v{version}"
     shutil.copytree(DATA / f"format-v{version}", copy)  # reads need no write access; keep the fixture pristine

@@ -88,6 +88,22 @@ def test_materialize_returns_plain_containers_on_the_requested_device(make_store
     assert amber.materialize(store.load(1)["l"])[1] == 5
 
 
+def test_a_lazy_optimizer_state_loads_into_an_optimizer_as_real_tensors(local_store):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    store = local_store()
+    store.save(1, {"optim": optimizer.state_dict()})
+    fresh = torch.optim.AdamW(torch.nn.Linear(8, 4).parameters())
+    fresh.load_state_dict(store.load(1)["optim"])  # it copies the dict first: the copy is read
+    for key, value in optimizer.state_dict()["state"][0].items():
+        got = fresh.state_dict()["state"][0][key]
+        assert type(got) is torch.Tensor
+        assert_bit_equal(got, value)
+
+
 def test_a_lazy_state_dict_loads_into_a_module_and_lazy_tensors_work_as_tensors(local_store):
     torch.manual_seed(0)
 

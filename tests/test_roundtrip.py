@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import math
+import pathlib
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,6 +67,105 @@ def test_nested_state_with_plain_leaves_round_trips_exactly(make_store):
     assert isinstance(lazy, amber.LazyStateDict)
     assert lazy["step"] == 7 and lazy["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert list(lazy["optim"]["state"]) == [0]
+
+
+def real_checkpoint_leaves(seed: int) -> dict:
+    """What Lightning hyper-parameters, HF trainer states and RNG snapshots put in a checkpoint."""
+    rng = np.random.default_rng(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    return {
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        "numpy": {"f4": rng.standard_normal((3, 4), dtype=np.float32), "u64": rng.integers(0, 2**63, 5, dtype=np.uint64),
+                  "big_endian": np.arange(4, dtype=">f8"), "strings": np.array(["a", "bcd"]),
+                  "record": np.array([(1, 2.5)], dtype=[("a", "i4"), ("b", "f8")]), "complex": np.ones(2, np.complex64),
+                  "scalars": [np.float64(seed + 0.5), np.float32(-0.0), np.int64(-seed), np.bool_(True), np.uint8(7)]},
+        "hparams": {"data_dir": pathlib.Path(f"/data/run{seed}"), "windows": pathlib.PureWindowsPath("C:/ckpt"),
+                    "dtype": torch.bfloat16, "device": torch.device("cpu"), "shape": torch.Size([2, seed]),
+                    "token": b"\x00\xff", "buffer": bytearray(b"ab"), "tags": {"a", "b", seed},
+                    "frozen": frozenset({(1, 2)})},
+        "keys": {(0, "wte"): 1, 3: "int", True: "bool", None: "none", 2.5: "float", b"k": "bytes",
+                 frozenset({1}): "frozenset"},
+    }
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_leaves_of_real_checkpoints_round_trip_as_the_same_types(make_store, lazy):
+    store = make_store()
+    states = {1: real_checkpoint_leaves(1), 2: real_checkpoint_leaves(2)}
+    for step, state in states.items():
+        store.save(step, state)
+    assert store.manifest(2).kind == "delta"
+    assert store.manifest(2).tensors["rng/numpy/1"].encoding == "xor"  # numeric numpy arrays are tensors
+    for step, state in states.items():
+        got = store.load(step, lazy=lazy)
+        got = got.materialize() if lazy else got
+        assert_tree_bit_equal(got, state)
+        for key in ("hparams", "keys"):
+            assert [type(k) for k in got[key]] == [type(k) for k in state[key]]
+        assert [type(v) for v in got["numpy"]["scalars"]] == [type(v) for v in state["numpy"]["scalars"]]
+        assert type(got["hparams"]["data_dir"]) is pathlib.PosixPath
+
+
+def test_what_no_safe_format_can_hold_is_refused_before_anything_is_written(make_store):
+    store = make_store()
+    for bad, match in ((np.array([{}], dtype=object), "numpy array of dtype object"),
+                       ({torch.ones(1): 1}, "holds a tensor"), ({"fn": print}, "cannot store a builtin")):
+        with pytest.raises(amber.UnsupportedStateError, match=match):
+            store.save(1, {"x": bad})
+    assert store.steps() == []
+
+
+def test_a_tampered_numpy_leaf_that_needs_pickle_is_refused_on_load_never_unpickled(local_store, tmp_path):
+    local_store().save(1, {"x": np.array(["a"])})
+    key = tmp_path / "ckpt" / "commits" / "000000000001.json"
+    manifest = json.loads(key.read_text())
+    hostile = io.BytesIO()  # an object array only pickle can make, as a hostile writer would put it
+    np.lib.format.write_array(hostile, np.array([print], dtype=object), allow_pickle=True)
+    manifest["tree"]["dict"][0][1] = {"npy": base64.b64encode(hostile.getvalue()).decode()}
+    key.write_text(json.dumps(manifest))
+    with pytest.raises(amber.CorruptDataError, match="cannot be read safely"):
+        local_store(mode="r").load(1)
+
+
+def tied_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64, bias=False))
+    model[1].weight = model[0].weight  # lm_head tied to the embedding, as GPT-2 does
+    return model
+
+
+def test_tied_weights_are_stored_once_and_load_back_tied(make_store):
+    model = tied_model()
+    store = make_store()
+    store.save(1, {"model": model.state_dict()})
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    store.save(2, {"model": model.state_dict()})
+    for step in (1, 2):
+        m = store.manifest(step)
+        assert list(m.tensors) == ["model/0.weight"]
+        assert m.nbytes_raw == 64 * 16 * 4
+    eager = store.load(2, lazy=False)["model"]
+    assert eager["1.weight"] is eager["0.weight"]
+    assert_bit_equal(eager["1.weight"], model[1].weight.detach())
+    lazy = store.load(2)["model"]
+    assert lazy["1.weight"] is lazy["0.weight"]
+    fresh = tied_model()
+    fresh.load_state_dict(lazy)
+    assert fresh[1].weight is fresh[0].weight
+    assert_bit_equal(fresh[1].weight.detach(), model[0].weight.detach())
+
+
+def test_overlapping_views_that_are_not_the_same_tensor_are_each_stored(make_store):
+    base = torch.arange(12.0)
+    state = {"all": base, "tail": base[4:], "same": base.view(12), "reshaped": base.view(3, 4)}
+    store = make_store()
+    store.save(1, state)
+    assert sorted(store.manifest(1).tensors) == ["all", "reshaped", "tail"]  # "same" is an alias of "all"
+    got = store.load(1, lazy=False)
+    assert got["same"] is got["all"]
+    assert_tree_bit_equal(got, state)
 
 
 def test_keys_named_like_zarr_metadata_are_stored_as_tensors(make_store):

@@ -1,0 +1,2 @@
+"""Glue for training frameworks, each an optional extra: ``amber-store[lightning]``
+(:mod:`.lightning`), ``amber-store[hf]`` (:mod:`.hf`)."""
