@@ -28,7 +28,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from . import format as fmt
-from .codecs import Compression, DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, codec_pool, scratch
+from .codecs import Compression, DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, codec_pool, scratch, shuffle_for
 from .errors import AsyncSaveError
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, to_bits
 
@@ -80,7 +80,7 @@ def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, new_base: np.nda
         np.bitwise_xor(value, base, out=data)
     if not data.any():
         return None, crc
-    return compression.compress(_padded(data, padded), typesize, True), crc
+    return compression.compress(_padded(data, padded), typesize, "bitshuffle" if base is None else "shuffle"), crc
 
 
 def _delta_chunk(codec: DeltaCodec, data: np.ndarray, recon: np.ndarray, padded: int, compression: Compression,
@@ -90,7 +90,7 @@ def _delta_chunk(codec: DeltaCodec, data: np.ndarray, recon: np.ndarray, padded:
     crc = crc32c.crc32c(recon)
     if not data.any():
         return None, crc
-    return compression.compress(codec.serialize(_padded(data, padded)), typesize, codec.shuffle), crc
+    return compression.compress(codec.serialize(_padded(data, padded)), typesize, shuffle_for(codec)), crc
 
 
 def _shard_index(blobs: list[bytes | None]) -> tuple[list[list[int] | None], int]:
@@ -124,14 +124,15 @@ class StepWriter:
     ``add`` each tensor, then ``finish``; ``close`` always (it lets writes in flight settle).
     ``recycle(key, like)`` may hand back a free host buffer for a tensor's new base bits. Past
     ``deadline`` (``time.monotonic()``), waiting for writes raises :class:`TimeoutError` and
-    ``close`` cancels the writes still in flight.
+    ``close`` cancels the writes still in flight. ``flush(key)``, if given, makes each object
+    durable right after its write.
     """
 
     def __init__(self, zstore: ZarrStore, group: str, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
                  pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD, compression: Compression = Compression(),
                  pack_name: str = fmt.PACK_PREFIX, max_inflight_bytes: int = 1 << 30,
                  recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, flush: Callable[[str], None] | None = None) -> None:
         self._zstore = zstore
         self._deadline = deadline
         self._group = group
@@ -141,6 +142,7 @@ class StepWriter:
         self._pack_name = pack_name
         self._max_inflight = max_inflight_bytes
         self._recycle = recycle or (lambda key, like: None)
+        self._flush = flush
         self._loop = sync(_running_loop())
         self._pool = codec_pool()
         self._out = Written()
@@ -295,7 +297,13 @@ class StepWriter:
 
     def _put(self, key: str, payload: bytes, weight: int) -> None:
         buf = default_buffer_prototype().buffer.from_bytes(payload)
-        fut = asyncio.run_coroutine_threadsafe(self._zstore.set(key, buf), self._loop)
+
+        async def write() -> None:
+            await self._zstore.set(key, buf)
+            if self._flush is not None:
+                await asyncio.to_thread(self._flush, key)
+
+        fut = asyncio.run_coroutine_threadsafe(write(), self._loop)
         self._writes[fut] = weight
         self._out.keys.append(key)
 
@@ -319,19 +327,21 @@ class StepWriter:
             return
         stream = b"".join(memoryview(payload).cast("B") for _, payload in self._packed)
         typesize = max(self._pack_widths, key=self._pack_widths.__getitem__)
-        size = self._chunk_bytes
+        # Inner chunks of near-equal size, so that the last one (stored whole, zero-padded, as
+        # zarr reads it) carries almost no padding: lz4 stores a long zero run at 1/255.
+        size = -(-len(stream) // -(-len(stream) // self._chunk_bytes))
         view = memoryview(stream)
-        # The last inner chunk is stored whole, zero-padded, as zarr reads it.
         parts = [view[a: a + size] if a + size <= len(stream) else bytes(view[a:]) + bytes(a + size - len(stream))
                  for a in range(0, len(stream), size)]
-        jobs = [self._pool.submit(self._compression.compress, part, typesize, True) for part in parts]
+        jobs = [self._pool.submit(self._compression.compress, part, typesize, "shuffle") for part in parts]
         blobs: list[bytes | None] = [j.result() for j in jobs]
         index, _ = _shard_index(blobs)
         payload = b"".join(blobs + [fmt.shard_index(index)])
         name = self._pack_name
         array = f"{self._group}/{name}"
         self._out.packs[name] = {"array": array, "chunk": size, "nbytes": len(stream), "index": index}
-        inner = [{"name": "bytes", "configuration": {}}, self._compression.config(typesize, True), {"name": "crc32c"}]
+        inner = [{"name": "bytes", "configuration": {}}, self._compression.config(typesize, "shuffle"),
+                 {"name": "crc32c"}]
         self._out.arrays[name] = fmt.sharded_array_metadata((len(stream),), (size,), "uint8", inner,
                                                             {"pack": True})
         # Each packed tensor is charged its share of the compressed pack.

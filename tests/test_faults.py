@@ -89,9 +89,10 @@ def test_flipped_byte_in_a_chunk_is_detected_naming_step_and_tensor(local_store,
 
 def test_a_chunk_swapped_for_another_valid_one_fails_the_materialized_checksum(local_store, tmp_path):
     store = local_store(pack_threshold=0)
-    s = {"t0": torch.full((32, 32), 1.0), "t1": torch.full((32, 32), -1.0)}  # equal-sized objects
+    s = {"t0": torch.full((32, 32), 0.5), "t1": torch.full((32, 32), -2.0)}  # equal-sized objects
     store.save(1, s)
     a, b = shard_file(tmp_path / "ckpt", store, 1, "t0"), shard_file(tmp_path / "ckpt", store, 1, "t1")
+    assert a.stat().st_size == b.stat().st_size
     a.write_bytes(b.read_bytes())  # a well-formed object, but the wrong data
     with pytest.raises(amber.CorruptDataError, match=r"tensor 't0', chunk \(0, 0\): checksum mismatch"):
         local_store(mode="r").load(1)["t0"].materialize()
