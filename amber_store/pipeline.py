@@ -28,7 +28,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from . import format as fmt
-from .codecs import Compression, DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, codec_pool, scratch, shuffle_for
+from .codecs import Compression, DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, codec_pool, scratch
 from .errors import AsyncSaveError
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, to_bits
 
@@ -58,6 +58,9 @@ class Written:
     keys: list[str] = field(default_factory=list)
 
 
+_XOR = XorDeltaCodec()
+
+
 def _padded(data: np.ndarray, length: int) -> np.ndarray:
     """``data`` (flat) zero-padded to ``length`` elements: an edge chunk is stored whole."""
     if data.size == length:
@@ -80,7 +83,7 @@ def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, new_base: np.nda
         np.bitwise_xor(value, base, out=data)
     if not data.any():
         return None, crc
-    return compression.compress(_padded(data, padded), typesize, "bitshuffle" if base is None else "shuffle"), crc
+    return compression.compress(_padded(data, padded), typesize, None if base is None else _XOR), crc
 
 
 def _delta_chunk(codec: DeltaCodec, data: np.ndarray, recon: np.ndarray, padded: int, compression: Compression,
@@ -90,7 +93,7 @@ def _delta_chunk(codec: DeltaCodec, data: np.ndarray, recon: np.ndarray, padded:
     crc = crc32c.crc32c(recon)
     if not data.any():
         return None, crc
-    return compression.compress(codec.serialize(_padded(data, padded)), typesize, shuffle_for(codec)), crc
+    return compression.compress(codec.serialize(_padded(data, padded)), typesize, codec), crc
 
 
 def _shard_index(blobs: list[bytes | None]) -> tuple[list[list[int] | None], int]:
@@ -333,15 +336,16 @@ class StepWriter:
         view = memoryview(stream)
         parts = [view[a: a + size] if a + size <= len(stream) else bytes(view[a:]) + bytes(a + size - len(stream))
                  for a in range(0, len(stream), size)]
-        jobs = [self._pool.submit(self._compression.compress, part, typesize, "shuffle") for part in parts]
+        # raw values when every packed tensor is (a full step), else compressed as deltas
+        kind = None if all(entry.base is None for entry, _ in self._packed) else _XOR
+        jobs = [self._pool.submit(self._compression.compress, part, typesize, kind) for part in parts]
         blobs: list[bytes | None] = [j.result() for j in jobs]
         index, _ = _shard_index(blobs)
         payload = b"".join(blobs + [fmt.shard_index(index)])
         name = self._pack_name
         array = f"{self._group}/{name}"
         self._out.packs[name] = {"array": array, "chunk": size, "nbytes": len(stream), "index": index}
-        inner = [{"name": "bytes", "configuration": {}}, self._compression.config(typesize, "shuffle"),
-                 {"name": "crc32c"}]
+        inner = [{"name": "bytes", "configuration": {}}, self._compression.config(typesize, kind), {"name": "crc32c"}]
         self._out.arrays[name] = fmt.sharded_array_metadata((len(stream),), (size,), "uint8", inner,
                                                             {"pack": True})
         # Each packed tensor is charged its share of the compressed pack.

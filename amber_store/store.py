@@ -85,9 +85,9 @@ class Store:
             full step (reads touch two; deltas grow as training drifts).
         chunk_bytes: size of one chunk (the unit of lazy reads and of parallel compression).
         pack_threshold: tensors smaller than this (bytes) are packed into one object per step.
-        compressor, compression_level: blosc compressor and its level, for every stored chunk:
-            ``"lz4"`` (default), or ``"zstd"``: XOR deltas about 11% smaller (fp32 AdamW state)
-            for saves about 1.3x slower on 2 cores (``benchmarks/layout.py``).
+        compressor, compression_level: blosc compressor and its level: ``"auto"`` (default:
+            lz4 for full steps, zstd for deltas), ``"lz4"`` (fastest; XOR deltas about 11%
+            larger) or ``"zstd"``; see :class:`~amber_store.codecs.Compression`.
         verify_checksums: check each materialized chunk's crc32c on read (stored chunks are
             always checked before they are decoded).
         durable: make every data object durable (fsync) before the commit, on local disks.
@@ -121,7 +121,7 @@ class Store:
         base_policy: BasePolicy = "log",
         chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
         pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD,
-        compressor: str = "lz4",
+        compressor: str = "auto",
         compression_level: int = 1,
         verify_checksums: bool = True,
         durable: bool = True,

@@ -77,3 +77,13 @@ def test_a_run_resumed_from_the_store_ends_bit_identical_to_an_uninterrupted_one
         assert_bit_equal(b, a)
     assert [h["loss"] for h in straight.state.log_history if "loss" in h] == \
            [h["loss"] for h in resumed.state.log_history if "loss" in h]
+
+
+def test_save_strategy_best_is_refused_with_the_reason(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, save_strategy="best",
+                             eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(gpt2(), args, train_dataset=Tokens(), eval_dataset=Tokens(),
+                      callbacks=[AmberCallback(tmp_path / "store")])
+    with pytest.raises(ValueError, match="need the Trainer's own checkpoint folders"):
+        trainer.train()
