@@ -441,20 +441,25 @@ class Snapshots:
         with self._lock:
             buffers = self._free.pop() if self._free else {}
         out = {}
-        sources = []
+        on_device = self.where == "device"
+        accelerators = set()
+        # Per-tensor Python work is most of the stall for many small tensors: keep this loop lean.
         for key, t in tensors.items():
-            t = t.detach()
             buf = buffers.get(key)
-            device = t.device if self.where == "device" else torch.device("cpu")
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != device:
-                pin = t.device.type != "cpu" and device.type == "cpu"
-                buf = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
-            sources.append(t)
+            if t.is_cpu:
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or not buf.is_cpu:
+                    buf = torch.empty(t.shape, dtype=t.dtype)
+            else:
+                accelerators.add(t.device)
+                device = t.device if on_device else torch.device("cpu")
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != device:
+                    buf = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=not on_device)
             out[key] = buf
         # One batched call: for many small tensors the per-tensor dispatch dominated the copy.
         # Copies from an accelerator are asynchronous (non_blocking), hence the synchronize below.
-        torch._foreach_copy_(list(out.values()), sources, non_blocking=True)
-        for device in {t.device for t in tensors.values() if t.device.type != "cpu"}:
+        with torch.no_grad():
+            torch._foreach_copy_(list(out.values()), list(tensors.values()), non_blocking=True)
+        for device in accelerators:
             getattr(torch, device.type).synchronize(device)  # the copies above were asynchronous
         return out
 

@@ -68,6 +68,20 @@ def test_tensors_mutated_right_after_save_async_do_not_leak_into_the_step(tmp_pa
     assert_tree_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(1, lazy=False), expected)
 
 
+@pytest.mark.parametrize("snapshot", ["host", "device"])
+def test_parameters_that_require_grad_are_snapshotted_without_autograd(tmp_path, snapshot):
+    model = torch.nn.Linear(8, 4)
+    store = amber.open(tmp_path / "ckpt", snapshot=snapshot)
+    params = dict(model.named_parameters())  # requires_grad, not state_dict()'s detached views
+    store.save_async(1, params).result(timeout=60)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    store.save_async(2, params).result(timeout=60)
+    got = store.load(2, lazy=False)
+    assert_bit_equal(got["weight"], model.weight.detach())
+    assert not got["weight"].requires_grad and model.weight.grad is None
+
+
 @pytest.mark.parametrize("max_pending", [1, 2])
 @pytest.mark.filterwarnings("ignore:.*training waited:RuntimeWarning")  # the point of this test
 def test_back_pressure_holds_at_most_max_pending_unfinished_saves(tmp_path, max_pending):
