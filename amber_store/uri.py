@@ -215,7 +215,7 @@ def _precondition_failed(e: BaseException) -> bool:
 async def put_atomic(loc: Location, key: str, data: bytes) -> None:
     """Create or replace ``key``; readers see the old object or the new one, never a mix."""
     if loc.scheme == "file":
-        await asyncio.to_thread(_replace_into_place, Path(loc.path) / key, data)
+        await asyncio.to_thread(replace_file, Path(loc.path) / key, data)
     else:  # an S3 PUT, and a memory store's set, replace an object in one step
         await loc.store.set(key, default_buffer_prototype().buffer.from_bytes(data))
 
@@ -279,7 +279,9 @@ def _link_into_place(path: Path, data: bytes) -> bool:
         tmp.unlink()
 
 
-def _replace_into_place(path: Path, data: bytes) -> None:
+def replace_file(path: Path, data: bytes) -> None:
+    """Make the local file ``path`` hold ``data``, whole or not at all (an fsynced temporary
+    file renamed over it)."""
     os.replace(_write_aside(path, data), path)
 
 

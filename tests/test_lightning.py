@@ -115,3 +115,11 @@ def test_a_plain_lightning_checkpoint_still_loads(tmp_path):
     torch.save({"global_step": 1, "state_dict": {"w": torch.ones(2)}}, tmp_path / "plain.ckpt")
     got = AmberCheckpointIO(tmp_path / "store").load_checkpoint(tmp_path / "plain.ckpt")
     assert_bit_equal(got["state_dict"]["w"], torch.ones(2))
+
+
+def test_a_pointer_into_another_runs_store_loads_from_that_store(tmp_path):
+    AmberCheckpointIO(tmp_path / "run1").save_checkpoint(
+        {"global_step": 5, "state_dict": {"w": torch.arange(4.0)}}, tmp_path / "run1.ckpt")
+    got = AmberCheckpointIO(tmp_path / "run2").load_checkpoint(tmp_path / "run1.ckpt")
+    assert_bit_equal(got["state_dict"]["w"], torch.arange(4.0))
+    assert amber.open(tmp_path / "run2", mode="r").steps() == []  # nothing copied into this run's store

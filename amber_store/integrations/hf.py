@@ -51,6 +51,7 @@ class AmberCallback(TrainerCallback):
         self.async_save = async_save
         self.store_options = store_options
         self.manager: CheckpointManager | None = None
+        self._saved: int | None = None  # the last step handed to the manager (maybe still saving)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -79,7 +80,7 @@ class AmberCallback(TrainerCallback):
                     optimizer: Any, lr_scheduler: Any, **kwargs: Any) -> None:
         if not control.should_save or self.manager is None:
             return
-        if state.global_step in self.manager.all_steps():  # an epoch that ended on a saved step
+        if state.global_step == self._saved:  # an epoch that ended on a saved step
             control.should_save = False
             return
         state.stateful_callbacks["TrainerControl"] = control.state()  # what the Trainer records
@@ -91,6 +92,7 @@ class AmberCallback(TrainerCallback):
             "trainer_state": json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n",
         }
         self.manager.maybe_save(state.global_step, model=model, optimizer=optimizer, extra=extra, force=True)
+        self._saved = state.global_step
         control.should_save = False  # the Trainer writes no checkpoint folder of its own
 
 

@@ -84,9 +84,14 @@ class AmberCheckpointIO(CheckpointIO):
         pointer = pointers.read(path)
         if pointer is None:
             return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only)
-        store = self.store if pointer.uri == self.store.uri else open_store(pointer.uri, self.storage_options, mode="r")
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        return store._load(pointer.step, pointer.tree, lazy=False, device=device)
+        if pointer.uri == self.store.uri:
+            return self.store._load(pointer.step, pointer.tree, lazy=False, device=device)
+        other = open_store(pointer.uri, self.storage_options, mode="r")  # another run's checkpoint
+        try:
+            return other._load(pointer.step, pointer.tree, lazy=False, device=device)
+        finally:
+            other.close()
 
     def remove_checkpoint(self, path: Any) -> None:
         pointer = pointers.read(path)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from ..uri import replace_file
 
 MAGIC = b'{"amber_store_checkpoint":'
 
@@ -48,14 +50,8 @@ def write(path: str | os.PathLike[str], pointer: Pointer) -> None:
         body["tree"] = pointer.tree
     data = json.dumps(body, separators=(",", ":")).encode()  # starts with MAGIC: the first key
     fs, p = fsspec.core.url_to_fs(str(path))
-    parent = p.rsplit("/", 1)[0] if "/" in p else ""
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
     if isinstance(fs, LocalFileSystem):
-        tmp = f"{p}.{uuid.uuid4().hex[:8]}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p)
+        replace_file(Path(p), data)
     else:
         fs.pipe_file(p, data)
 
