@@ -41,8 +41,10 @@ from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec
 from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec
 
+from .entropy import ans_decode, ans_encode
 from .format import (
     DTYPES,
+    chunk_runs,
     TensorEntry,
     bits_numpy_dtype,
     bits_to_numpy,
@@ -73,6 +75,9 @@ class Delta:
     data: np.ndarray
     recon: torch.Tensor
     params: dict[str, Any] | None = None
+    #: per-chunk data a codec's :meth:`DeltaCodec.serialize` stores next to the chunk's codes
+    #: (one row per chunk, C order), e.g. block exponents
+    side: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -126,13 +131,23 @@ class DeltaCodec(ArrayArrayCodec):
         """Like :meth:`apply`, in place: ``out`` holds the base bits of ``region`` and gets the result."""
         np.bitwise_xor(out, stored, out=out)
 
+    def decode_into(self, out: np.ndarray, raw: np.ndarray, padded: int, region: tuple[slice, ...],
+                    entry: TensorEntry) -> None:
+        """Apply one stored chunk (``raw``: its serialized bytes, ``padded`` elements) to ``out``,
+        which holds the base bits of the chunk's ``region`` and gets the materialized bits."""
+        delta = self.deserialize(raw, (padded,), self.storage_dtype(entry.dtype))[: out.size]
+        self.apply_into(out, delta.reshape(out.shape), region, entry)
+
     # Per-chunk serialization (the array-to-bytes step); the default stores the raw elements.
     # blosc's shuffle of the serialized chunk before compression: bytes of one significance
     # together (an XOR delta's zero high bytes make long runs)
     shuffle: ClassVar[Shuffle] = "shuffle"
+    # whether serialize() already entropy-codes its output: blosc then only frames it
+    entropy_coded: ClassVar[bool] = False
 
-    def serialize(self, chunk: np.ndarray) -> Any:
-        """Bytes-like of one chunk of the stored array (chunk-shaped, C-contiguous)."""
+    def serialize(self, chunk: np.ndarray, side: np.ndarray | None = None, recon: np.ndarray | None = None) -> Any:
+        """Bytes-like of one chunk of the stored array (chunk-shaped, C-contiguous), given the
+        chunk's row of :attr:`Delta.side` and its materialized bits ``recon`` (unpadded)."""
         return chunk.reshape(-1).view(np.uint8)
 
     def deserialize(self, raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -195,7 +210,7 @@ class SparseDeltaCodec(DeltaCodec):
     def serializer(self, dtype: str) -> dict[str, Any]:
         return SparseBytesCodec().to_dict()
 
-    def serialize(self, chunk: np.ndarray) -> Any:
+    def serialize(self, chunk: np.ndarray, side: np.ndarray | None = None, recon: np.ndarray | None = None) -> Any:
         return sparse_encode(chunk)
 
     def deserialize(self, raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -264,7 +279,7 @@ class QuantizedDeltaCodec(DeltaCodec):
     def for_entry(cls, entry: TensorEntry) -> DeltaCodec:
         return cls(bits=(entry.params or {}).get("bits", 8))
 
-    def serialize(self, chunk: np.ndarray) -> Any:
+    def serialize(self, chunk: np.ndarray, side: np.ndarray | None = None, recon: np.ndarray | None = None) -> Any:
         return pack4_encode(chunk) if self.bits == 4 else super().serialize(chunk)
 
     def deserialize(self, raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -315,6 +330,267 @@ def dequantize(base: torch.Tensor, q: np.ndarray, region: tuple[slice, ...], dty
         if scales[flat]:
             out[local] += qt[local] * scales[flat]
     return to_bits(out.to(torch_dtype)).numpy().view(bits_numpy_dtype(dtype))
+
+
+#: The code that stands for "this element's exact bits follow the codes" in the entropy-coded
+#: lossy deltas: non-finite values, and changes their code range cannot reach.
+ESCAPE = -128
+
+
+@dataclass(frozen=True)
+class _CodedDelta(DeltaCodec):
+    """Shared by the entropy-coded lossy deltas: one int8 code per element, rANS-coded per chunk
+    with the chunk's own histogram (:mod:`amber_store.entropy`), escaped elements stored exact.
+
+    A stored chunk is ``[side codes][element codes][escaped elements' raw bits]``: both code
+    blocks in :func:`~amber_store.entropy.ans_encode`'s form (the side block only for codecs
+    with per-block data), escapes in the order of their ``-128`` codes. Writer and readers
+    compute the materialized value with the same single IEEE operations on the codes (a
+    multiply and an add, or one multiply), so every device agrees to the bit.
+    """
+
+    min_numel: int = 256
+    shuffle: ClassVar[Shuffle] = "noshuffle"
+    entropy_coded: ClassVar[bool] = True
+    has_side: ClassVar[bool] = False
+
+    def applies_to(self, dtype: str, numel: int) -> bool:
+        return DTYPES[dtype].is_floating_point and numel >= self.min_numel
+
+    def storage_dtype(self, dtype: str) -> np.dtype:
+        return np.dtype("int8")
+
+    def serializer(self, dtype: str) -> dict[str, Any]:
+        return AnsBytesCodec(self.side_width).to_dict()
+
+    @property
+    def side_width(self) -> int:
+        """Elements per side code (0: no side block)."""
+        return 0
+
+    def serialize(self, chunk: np.ndarray, side: np.ndarray | None = None, recon: np.ndarray | None = None) -> Any:
+        assert recon is not None
+        codes = chunk.reshape(-1)
+        parts = [ans_encode(side)] if self.has_side else []
+        parts.append(ans_encode(codes))
+        escaped = codes[: recon.size] == ESCAPE
+        if escaped.any():
+            parts.append(recon.reshape(-1)[escaped].astype(recon.dtype.newbyteorder("<")).tobytes())
+        return b"".join(parts)
+
+    def deserialize(self, raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return self._parse(raw, int(np.prod(shape)), np.dtype("uint8"))[1].reshape(shape)
+
+    def _parse(self, raw: np.ndarray, n: int, bits: np.dtype) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """(side codes, element codes, escaped bits) of one stored chunk of ``n`` elements."""
+        at, side = 0, None
+        if self.has_side:
+            side, at = ans_decode(raw, -(-n // self.side_width))
+        codes, used = ans_decode(raw[at:], n)
+        at += used
+        escaped = raw[at:].view(bits.newbyteorder("<"))
+        if escaped.size != int((codes == ESCAPE).sum()):
+            raise ValueError("escaped values do not match their codes")
+        return side, codes, escaped
+
+    def decode_into(self, out: np.ndarray, raw: np.ndarray, padded: int, region: tuple[slice, ...],
+                    entry: TensorEntry) -> None:
+        side, codes, escaped = self._parse(raw, padded, out.dtype)
+        codes = codes[: out.size]
+        dtype = DTYPES[entry.dtype]
+        base = numpy_to_tensor(out.reshape(-1), entry.dtype).to(_compute_dtype(dtype))
+        value = to_bits(self._restore(base, torch.from_numpy(codes), side).to(dtype)).numpy().view(out.dtype)
+        mask = codes == ESCAPE
+        value[mask] = escaped
+        out.reshape(-1)[...] = value
+
+    def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None) -> torch.Tensor:
+        """``base`` (compute dtype, flat, one chunk) moved by ``codes``; escaped elements arbitrary."""
+        raise NotImplementedError
+
+    def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...]) -> Delta | None:
+        ct = _compute_dtype(value.dtype)
+        v = value.reshape(-1).to(ct)
+        b = base.to(value.device, non_blocking=True).view(value.dtype).reshape(-1).to(ct)
+        codes, side, restored = self._quantize(v, b, chunk_runs(tuple(value.shape), chunks), math.prod(chunks))
+        if not bool(codes.any()):
+            return None
+        recon = to_bits(restored.to(value.dtype))
+        escaped = codes == ESCAPE
+        if bool(escaped.any()):
+            recon = torch.where(escaped, to_bits(value).reshape(-1), recon)
+        host_codes = codes.to("cpu").numpy().reshape(tuple(value.shape))
+        return Delta(host_codes, recon.to("cpu").reshape(base.shape), self.params(),
+                     None if side is None else side.to("cpu").numpy())
+
+    def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]],
+                  padded: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(int8 codes, side codes per chunk or ``None``, restored values) of flat ``v``
+        against ``b`` (compute dtype, on their device), the tensor's chunks being ``runs``."""
+        raise NotImplementedError
+
+    def params(self) -> dict[str, Any]:
+        """What a reader needs to decode (the entry's ``params``)."""
+        raise NotImplementedError
+
+
+def _block_norms(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(blocks with non-finite elements zeroed, each block's 2-norm, the finite mask or ``None``
+    when all are finite). The mask is only computed when a norm is not finite (a non-finite
+    element, or squares overflowing: then the norm is taken in float64)."""
+    norm = torch.linalg.vector_norm(blocks, dim=-1)
+    if bool(torch.isfinite(norm).all()):
+        return blocks, norm, None
+    finite = torch.isfinite(blocks)
+    blocks = blocks.where(finite, 0)
+    norm = torch.linalg.vector_norm(blocks.to(torch.float64), dim=-1).to(blocks.dtype)
+    return blocks, norm, None if bool(finite.all()) else finite
+
+
+def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2 ** e`` built from its exponent bits: exact on every device."""
+    if dtype == torch.float64:
+        return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+@dataclass(frozen=True)
+class BlockDeltaCodec(_CodedDelta):
+    """Block-scaled quantized delta: each chunk is cut into blocks of ``block`` elements; a
+    block's step is the power of two nearest ``step`` times the RMS of the block's new values,
+    and each element stores ``q = round((value - base) / 2^e)``. The codes, which cluster near
+    zero, and the blocks' exponents are entropy-coded. An element that moved less than half a
+    step keeps its base value; the rest of its update is carried into the next delta, which is
+    taken against this reconstruction (Amber's significant updates, quantized).
+
+    The precision is relative to the values, not to the change: a step relative to the change
+    lets the residual it leaves grow with the change, step after step (measured on AdamW
+    weights over a 10-step chain, 4 RMS changes left 3x a step's update behind: 2.6x the error
+    of ``step=0.1``, for no fewer bytes), and blocks of equal changes, such as Adam's first
+    ``+-lr`` updates, would never move at all.
+
+    Error bound, at every step of a chain: ``|restored - value| <= 2^e / 2`` per element of a
+    block, with ``2^e <= sqrt(2) * step * rms(block's values)``, unless a larger power of two
+    is needed to keep ``|q| <= 127`` (the smallest that does: a change of more than ``127 /
+    sqrt(2) / step`` RMS values, e.g. a block whose values collapse), plus the rounding of the
+    result to the tensor's dtype; non-finite values are exact. Signs are not preserved: a
+    second moment near zero may come back negative, so use :class:`RatioDeltaCodec` for those
+    (the ``"lossy"`` preset does).
+    """
+
+    name: ClassVar[str] = "amber.block_delta"
+    encoding: ClassVar[str] = "block"
+    has_side: ClassVar[bool] = True
+    step: float = 0.1
+    block: int = 256
+
+    def __post_init__(self) -> None:
+        if not 0.001 < self.step <= 64:
+            raise ValueError("BlockDeltaCodec step (a fraction of a block's RMS value) must be within (0.001, 64]")
+        if not 1 <= self.block <= 1 << 16:
+            raise ValueError("BlockDeltaCodec block must be within [1, 65536]")
+
+    @property
+    def side_width(self) -> int:
+        return self.block
+
+    @classmethod
+    def for_entry(cls, entry: TensorEntry) -> DeltaCodec:
+        return cls(block=(entry.params or {})["block"])
+
+    def params(self) -> dict[str, Any]:
+        return {"block": self.block}
+
+    def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]],
+                  padded: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        width = -(-padded // self.block) * self.block
+        # Blocks are counted from each chunk's start: the tensor viewed as (chunks, blocks, block),
+        # copied into a zero-padded buffer only when its chunks do not tile it exactly.
+        whole = all(hi - lo == width for lo, hi in runs)
+
+        def blocked(x: torch.Tensor) -> torch.Tensor:
+            if whole:
+                return x.view(len(runs), -1, self.block)
+            out = x.new_zeros(len(runs), width)
+            for k, (lo, hi) in enumerate(runs):
+                out[k, : hi - lo] = x[lo:hi]
+            return out.view(len(runs), -1, self.block)
+
+        changes, _, finite = _block_norms(blocked(v - b))
+        rms = _block_norms(blocked(v))[1].div_(math.sqrt(self.block))
+        e = torch.log2(rms.mul_(self.step)).round_().nan_to_num_(0, posinf=126, neginf=-126)
+        # never so fine that a code leaves +-127 (a change far above the block's RMS value)
+        fit = torch.log2(changes.abs().amax(-1).div_(127)).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
+        e = torch.maximum(e, fit).clamp_(-126, 126)  # 2^e and 2^-e normal: multiplying by them is exact
+        q = torch.round(changes * _pow2(-e, v.dtype).unsqueeze(-1)).clamp_(-127, 127)
+        codes = q.to(torch.int8)
+        if finite is not None:
+            codes.masked_fill_(~finite, ESCAPE)
+        moved = q.mul_(_pow2(e, v.dtype).unsqueeze(-1))
+        if whole:
+            return codes.view(-1), e.to(torch.int8), b + moved.view(-1)
+        flat_codes = torch.empty(v.shape, dtype=torch.int8, device=v.device)
+        restored = torch.empty_like(v)
+        for k, (lo, hi) in enumerate(runs):
+            flat_codes[lo:hi] = codes[k].view(-1)[: hi - lo]
+            restored[lo:hi] = moved[k].view(-1)[: hi - lo]
+        return flat_codes, e.to(torch.int8), restored.add_(b)
+
+    def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None) -> torch.Tensor:
+        assert side is not None
+        scale = _pow2(torch.from_numpy(side), base.dtype).repeat_interleave(self.block)[: base.numel()]
+        return base + codes.to(base.dtype) * scale
+
+
+@dataclass(frozen=True)
+class RatioDeltaCodec(_CodedDelta):
+    """Multiplicative delta for positive tensors such as Adam's ``exp_avg_sq``: each element
+    stores ``q = round(log(value / base) / log(1 + step))`` and is restored as
+    ``base * (1 + step)^q``, so small and large elements keep the same relative precision (an
+    absolute step would zero the small second moments that divide Adam's update). Elements
+    that are not positive, non-finite, or beyond ``|q| <= 127`` are stored exact.
+
+    Error bound, at every step of a chain: ``restored / value`` is within
+    ``(1 + step)^(+-1/2)`` (plus the rounding of the result to the tensor's dtype).
+    """
+
+    name: ClassVar[str] = "amber.ratio_delta"
+    encoding: ClassVar[str] = "ratio"
+    step: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 1e-4 <= self.step <= 1:
+            raise ValueError("RatioDeltaCodec step (relative) must be within [1e-4, 1]")
+
+    @classmethod
+    def for_entry(cls, entry: TensorEntry) -> DeltaCodec:
+        return cls(step=(entry.params or {})["step"])
+
+    def params(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def _factors(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """``(1 + step)^q`` for q = -128..127 by repeated IEEE double products (no libm, so
+        every reader computes the same table); index 0 (the escape) is unused."""
+        up, down = [1.0], [1.0]
+        for _ in range(127):
+            up.append(up[-1] * (1 + self.step))
+            down.append(down[-1] / (1 + self.step))
+        return torch.tensor([1.0] + down[:0:-1] + up, dtype=torch.float64).to(dtype).to(device)
+
+    def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]],
+                  padded: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        # NaN, infinities and signs all surface as a non-finite or out-of-range q (or v <= 0)
+        q = torch.log(v / b).mul_(1 / math.log1p(self.step)).round_()
+        ok = (q.abs() <= 127) & (v > 0)
+        codes = q.nan_to_num_(0).clamp_(-127, 127).to(torch.int8)
+        if not bool(ok.all()):
+            codes.masked_fill_(~ok & (v != b), ESCAPE).masked_fill_(~ok & (v == b), 0)
+        return codes, None, self._restore(b, codes, None)
+
+    def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None) -> torch.Tensor:
+        factors = self._factors(base.dtype, base.device)
+        return base * factors[codes.to(torch.int64) + 128]
 
 
 @dataclass(frozen=True)
@@ -400,11 +676,45 @@ class Pack4BytesCodec(_Serializer):
         return (input_byte_length + 1) // 2
 
 
-for _codec in (XorDeltaCodec, SparseDeltaCodec, QuantizedDeltaCodec, SparseBytesCodec, Pack4BytesCodec):
+@dataclass(frozen=True)
+class AnsBytesCodec(ArrayBytesCodec):
+    """zarr serializer of the entropy-coded lossy deltas (:class:`BlockDeltaCodec`,
+    :class:`RatioDeltaCodec`): decodes a chunk to its int8 codes. ``side``: elements per side
+    code (a block's exponent), 0 for none. Encoding needs the codec's base, so only
+    amber-store writes these chunks."""
+
+    name: ClassVar[str] = "amber.ans"
+    side: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        _, config = parse_named_configuration(data, cls.name)
+        return cls(**config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "configuration": {"side": self.side}}
+
+    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
+        raise NotImplementedError("amber.ans chunks are written by amber-store, which has the base")
+
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
+        raw = chunk_bytes.as_numpy_array().view(np.uint8)
+        n = int(np.prod(chunk_spec.shape))
+        at = ans_decode(raw, -(-n // self.side))[1] if self.side else 0
+        codes = ans_decode(raw[at:], n)[0]
+        return chunk_spec.prototype.nd_buffer.from_numpy_array(codes.reshape(chunk_spec.shape))
+
+    def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
+        raise NotImplementedError  # variable size
+
+
+for _codec in (XorDeltaCodec, SparseDeltaCodec, QuantizedDeltaCodec, BlockDeltaCodec, RatioDeltaCodec,
+               SparseBytesCodec, Pack4BytesCodec, AnsBytesCodec):
     register_codec(_codec.name, _codec)
 
 XOR_DELTA = XorDeltaCodec.name
-DELTA_ENCODINGS = {c.encoding: c for c in (XorDeltaCodec, SparseDeltaCodec, QuantizedDeltaCodec)}
+DELTA_ENCODINGS = {c.encoding: c for c in (XorDeltaCodec, SparseDeltaCodec, QuantizedDeltaCodec, BlockDeltaCodec,
+                                           RatioDeltaCodec)}
 
 CodecLike = Union[str, DeltaCodec]
 CodecPolicy = Union[CodecLike, Sequence[tuple[str, CodecLike]]]
@@ -414,6 +724,18 @@ _NAMED: dict[str, DeltaCodec] = {
     "sparse": SparseDeltaCodec(),
     "quant8": QuantizedDeltaCodec(bits=8),
     "quant4": QuantizedDeltaCodec(bits=4),
+    "block": BlockDeltaCodec(),
+    "ratio": RatioDeltaCodec(),
+}
+
+#: Named policies. ``"lossy"``, the recommended lossy preset: Adam's second moments (positive,
+#: dividing the update) by ratio within 10%; weights (and every other float tensor) by blocks
+#: to 7% of a block's RMS value; Adam's first moment, which changes wholesale between
+#: checkpoints and costs the most to keep, coarsely (its error fades within a few dozen steps).
+#: benchmarks/lossy.py measures it against finer and coarser settings.
+PRESETS: dict[str, list[tuple[str, DeltaCodec]]] = {
+    "lossy": [("*exp_avg_sq", RatioDeltaCodec(step=0.2)), ("*exp_avg", BlockDeltaCodec(step=6.0)),
+              ("*", BlockDeltaCodec(step=0.1))],
 }
 
 
@@ -423,17 +745,20 @@ def codec_named(codec: CodecLike) -> DeltaCodec:
     try:
         return _NAMED[codec]
     except KeyError:
-        raise ValueError(f"unknown codec {codec!r}; use one of {sorted(_NAMED)} or a DeltaCodec") from None
+        raise ValueError(f"unknown codec {codec!r}; use one of {sorted(_NAMED)} or a DeltaCodec (or, for a whole "
+                         f"store, a preset: {sorted(PRESETS)})") from None
 
 
 class Policy:
     """Which delta codec each tensor gets: ``"xor"`` for all, one codec for all, or rules
     ``[(pattern, codec), ...]`` matched in order against the tensor key with :mod:`fnmatch`
-    (e.g. ``[("optim/*", "sparse"), ("*", "xor")]``). Unmatched tensors, and tensors a lossy
-    codec does not apply to (integers, bool, fewer than its ``min_numel`` elements, such as
-    Adam's step counters), stay lossless."""
+    (e.g. ``[("optim/*", "sparse"), ("*", "xor")]``), or a preset's name (:data:`PRESETS`).
+    Unmatched tensors, and tensors a lossy codec does not apply to (integers, bool, fewer than
+    its ``min_numel`` elements, such as Adam's step counters), stay lossless."""
 
     def __init__(self, policy: CodecPolicy = "xor") -> None:
+        if isinstance(policy, str) and policy in PRESETS:
+            policy = PRESETS[policy]
         rules = [("*", policy)] if isinstance(policy, (str, DeltaCodec)) else list(policy)
         self.rules = [(pattern, codec_named(c)) for pattern, c in rules]
 
@@ -469,20 +794,23 @@ class Compression:
         if self.compressor not in ("auto", "zstd", "lz4"):
             raise ValueError(f"compressor must be 'auto', 'lz4' or 'zstd', not {self.compressor!r}")
 
-    def blosc(self, delta: DeltaCodec | None) -> tuple[str, Shuffle]:
-        """(compressor, shuffle) of a chunk stored with ``delta`` (``None``: raw values of a
-        full step, bit-shuffled so that sign and exponent bits line up across elements)."""
+    def blosc(self, delta: DeltaCodec | None) -> tuple[str, Shuffle, int]:
+        """(compressor, shuffle, level) of a chunk stored with ``delta`` (``None``: raw values
+        of a full step, bit-shuffled so that sign and exponent bits line up across elements).
+        Entropy-coded chunks are only framed (level 0)."""
         if delta is None:
-            return ("lz4" if self.compressor == "auto" else self.compressor), "bitshuffle"
+            return ("lz4" if self.compressor == "auto" else self.compressor), "bitshuffle", self.level
+        if delta.entropy_coded:
+            return "lz4", "noshuffle", 0
         if not isinstance(delta, XorDeltaCodec):
-            return "zstd", delta.shuffle
-        return ("zstd" if self.compressor == "auto" else self.compressor), delta.shuffle
+            return "zstd", delta.shuffle, self.level
+        return ("zstd" if self.compressor == "auto" else self.compressor), delta.shuffle, self.level
 
     def config(self, typesize: int, delta: DeltaCodec | None) -> dict[str, Any]:
         """The zarr ``blosc`` codec metadata matching :meth:`compress`."""
-        cname, shuffle = self.blosc(delta)
+        cname, shuffle, level = self.blosc(delta)
         return {"name": "blosc", "configuration": {
-            "typesize": typesize, "cname": cname, "clevel": self.level,
+            "typesize": typesize, "cname": cname, "clevel": level,
             "shuffle": _effective(shuffle, typesize), "blocksize": BLOSC_BLOCK}}
 
     def inner_codecs(self, dtype: str, delta: DeltaCodec | None) -> list[dict[str, Any]]:
@@ -498,8 +826,8 @@ class Compression:
     def compress(self, payload: Any, typesize: int, delta: DeltaCodec | None) -> bytes:
         """The bytes of one stored chunk of ``delta`` (``None``: raw values). Releases the GIL,
         so chunks compress in parallel."""
-        cname, shuffle = self.blosc(delta)
-        packed = blosc.compress(payload, cname.encode(), self.level, _BLOSC_SHUFFLE[_effective(shuffle, typesize)],
+        cname, shuffle, level = self.blosc(delta)
+        packed = blosc.compress(payload, cname.encode(), level, _BLOSC_SHUFFLE[_effective(shuffle, typesize)],
                                 BLOSC_BLOCK, typesize)
         return packed + crc32c.crc32c(packed).to_bytes(4, "little")
 
@@ -530,7 +858,8 @@ def decompress(stored: Any, out: np.ndarray | None = None) -> np.ndarray | None:
 
 
 __all__ = [
-    "CodecPolicy", "Delta", "DeltaCodec", "Pack4BytesCodec", "Policy", "QuantizedDeltaCodec", "SparseBytesCodec",
+    "AnsBytesCodec", "BlockDeltaCodec", "CodecPolicy", "Delta", "DeltaCodec", "PRESETS", "Pack4BytesCodec", "Policy",
+    "QuantizedDeltaCodec", "RatioDeltaCodec", "SparseBytesCodec",
     "SparseDeltaCodec", "XorDeltaCodec", "codec_named", "Compression", "codec_pool", "decompress", "dequantize",
 ]
 

@@ -32,7 +32,9 @@ FORMAT_NAME = "amber-store"
 # metadata consolidated into the step group, chunk offsets in the manifest.
 # 4: more leaf kinds in the state tree (numpy, bytes, paths, sets, torch dtype/device/Size, keys
 # that are not str/int), and aliased tensors stored once (several nodes name one tensor key).
-FORMAT_VERSION = 4
+# 5: entropy-coded lossy encodings block and ratio (codecs amber.block_delta, amber.ratio_delta,
+# serializer amber.ans).
+FORMAT_VERSION = 5
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
 STEPS_DIR = "steps"
@@ -43,7 +45,7 @@ PACK_PREFIX = "pack"
 # Shard index entry of an absent inner chunk (zarr v3 sharding spec).
 _ABSENT = (1 << 64) - 1
 
-Encoding = Literal["full", "xor", "sparse", "quant", "same"]
+Encoding = Literal["full", "xor", "sparse", "quant", "block", "ratio", "same"]
 
 
 def commit_key(step: int) -> str:

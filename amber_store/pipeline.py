@@ -86,14 +86,14 @@ def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, new_base: np.nda
     return compression.compress(_padded(data, padded), typesize, None if base is None else _XOR), crc
 
 
-def _delta_chunk(codec: DeltaCodec, data: np.ndarray, recon: np.ndarray, padded: int, compression: Compression,
-                 typesize: int) -> tuple[bytes | None, int]:
+def _delta_chunk(codec: DeltaCodec, data: np.ndarray, side: np.ndarray | None, recon: np.ndarray, padded: int,
+                 compression: Compression, typesize: int) -> tuple[bytes | None, int]:
     """One chunk of a precomputed delta (device XOR or a lossy codec): stored bytes and the
     crc32c of the reconstruction."""
     crc = crc32c.crc32c(recon)
     if not data.any():
         return None, crc
-    return compression.compress(codec.serialize(_padded(data, padded)), typesize, codec), crc
+    return compression.compress(codec.serialize(_padded(data, padded), side, recon), typesize, codec), crc
 
 
 def _shard_index(blobs: list[bytes | None]) -> tuple[list[list[int] | None], int]:
@@ -193,9 +193,9 @@ class StepWriter:
         array = None if packed else f"{self._group}/{fmt.array_name(key)}"
         entry = TensorEntry(name, list(shape), list(chunks), encoding, None if base is None else base.step,  # type: ignore[arg-type]
                             array, [], nbytes, params=None if delta is None else delta.params)
-        host = None
+        host, side = None, None
         if delta is not None:
-            value, stored = delta.recon, delta.data
+            value, stored, side = delta.recon, delta.data, delta.side
         else:  # the raw bits on the host (a view for CPU tensors): XORed there, chunk by chunk
             bits = to_bits(tensor)
             host = bits_to_numpy(bits.to("cpu")).reshape(-1)
@@ -205,9 +205,9 @@ class StepWriter:
             stored = None
         self._out.values[key] = value
         if packed:
-            self._add_packed(key, entry, host, value, stored, base, codec)
+            self._add_packed(key, entry, host, value, stored, side, base, codec)
         else:
-            self._add_sharded(key, entry, host, value, stored, base, codec)
+            self._add_sharded(key, entry, host, value, stored, side, base, codec)
 
     def _same(self, key: str, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], base: Base,
               nbytes: int) -> None:
@@ -216,7 +216,7 @@ class StepWriter:
         self._out.values[key] = base.bits
 
     def _add_packed(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor,
-                    stored: np.ndarray | None, base: Base | None, codec: DeltaCodec) -> None:
+                    stored: np.ndarray | None, side: np.ndarray | None, base: Base | None, codec: DeltaCodec) -> None:
         """A small tensor: its whole serialized delta (or value) joins the step's pack stream."""
         if host is not None:  # lossless on the host: XOR here, copy into the new base
             v = host
@@ -227,9 +227,10 @@ class StepWriter:
             payload = data.view(np.uint8) if data.any() else None
         else:
             assert stored is not None
-            entry.crc32c = [crc32c.crc32c(bits_to_numpy(value).reshape(-1))]
+            recon = bits_to_numpy(value).reshape(-1)
+            entry.crc32c = [crc32c.crc32c(recon)]
             flat = stored.reshape(-1)
-            payload = codec.serialize(flat) if flat.any() else None
+            payload = codec.serialize(flat, None if side is None else side[0], recon) if flat.any() else None
         if payload is None and base is not None:
             self._same(key, entry.dtype, tuple(entry.shape), tuple(entry.chunks), base, entry.nbytes)
             return
@@ -243,7 +244,8 @@ class StepWriter:
         self._out.entries[key] = entry
 
     def _add_sharded(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor,
-                     stored: np.ndarray | None, base: Base | None, codec: DeltaCodec) -> None:
+                     stored: np.ndarray | None, side: np.ndarray | None, base: Base | None,
+                     codec: DeltaCodec) -> None:
         shape, chunks = tuple(entry.shape), tuple(entry.chunks)
         runs = fmt.chunk_runs(shape, chunks)
         padded = int(np.prod(chunks))
@@ -257,8 +259,8 @@ class StepWriter:
         else:
             assert stored is not None
             data = stored.reshape(-1)
-            jobs = [self._pool.submit(_delta_chunk, codec, data[a:b], new[a:b], padded, self._compression, width)
-                    for a, b in runs]
+            jobs = [self._pool.submit(_delta_chunk, codec, data[a:b], None if side is None else side[k], new[a:b],
+                                      padded, self._compression, width) for k, (a, b) in enumerate(runs)]
         inner = self._compression.inner_codecs(entry.dtype, None if base is None else codec)
         data_type = (bits_numpy_dtype(entry.dtype) if base is None else codec.storage_dtype(entry.dtype)).name
         attrs = {"dtype": entry.dtype, "encoding": entry.encoding, "base_step": entry.base}

@@ -161,8 +161,10 @@ class Reader:
                 raw = self._decompress(payload, scratch(padded * out.itemsize), s, key, idx)
             else:
                 raw = self._decompress(payload, None, s, key, idx)
-            delta = codec.deserialize(raw, (padded,), codec.storage_dtype(le.dtype))[: out.size]
-            codec.apply_into(out.reshape(rshape), delta.reshape(rshape), region, le)
+            try:
+                codec.decode_into(out.reshape(rshape), raw, padded, region, le)
+            except ValueError as exc:
+                raise self._corrupt(s, key, f"stored chunk does not decode: {exc}", idx) from exc
         if check and crc32c.crc32c(out) != e.crc32c[flat]:
             raise self._corrupt(step, key, "checksum mismatch (materialized data differs from what was saved)", idx)
 

@@ -92,10 +92,12 @@ class Store:
             always checked before they are decoded).
         durable: make every data object durable (fsync) before the commit, on local disks.
         progress: show a tqdm bar while saving.
-        codec: the delta codec of each tensor: ``"xor"`` (lossless, default), ``"sparse"``,
-            ``"quant8"``, ``"quant4"``, a :class:`~amber_store.codecs.DeltaCodec`, or rules
-            ``[(key pattern, codec), ...]`` such as ``[("optim/*", "sparse")]``; see
-            :class:`~amber_store.codecs.Policy`. Full steps are always lossless.
+        codec: the delta codec of each tensor: ``"xor"`` (lossless, default), ``"lossy"``
+            (the recommended lossy preset: block-quantized, entropy-coded deltas; ratio-coded
+            second moments), ``"block"``, ``"ratio"``, ``"sparse"``, ``"quant8"``, ``"quant4"``,
+            a :class:`~amber_store.codecs.DeltaCodec`, or rules ``[(key pattern, codec), ...]``
+            such as ``[("optim/*", "sparse")]``; see :class:`~amber_store.codecs.Policy`. Full
+            steps are always lossless.
         max_pending: how many :meth:`save_async` calls may be unfinished at once.
         snapshot: where :meth:`save_async` copies the state: ``"host"`` (pinned host buffers;
             deltas encoded on the host) or ``"device"`` (the tensors' device; deltas encoded

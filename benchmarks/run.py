@@ -74,8 +74,8 @@ def plot_training(data: dict, path: Path, title: str) -> None:
 
     every = data["args"]["every"]
     methods = data["methods"]
-    shown = ["torch.save", "zarr+blosc-zstd, no deltas", "amber lossless save", "amber sparse 2% save_async",
-             "amber quant8 save_async", "amber quant4 save_async"]
+    shown = ["torch.save", "zarr+blosc-zstd, no deltas", "amber lossless save", "amber lossy save_async",
+             "amber quant4 save_async"]
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5))
     for name in shown:
         if name not in methods:
@@ -99,6 +99,37 @@ def plot_training(data: dict, path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_pareto(data: dict, path: Path) -> None:
+    """Bytes per delta step against the resumed-loss change, one series per checkpoint interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    noise = max(abs(f) for f in data["noise_floor_pct"])
+    ax.axhspan(-noise, noise, color="grey", alpha=0.15, label=f"noise floor (+-{noise:.2f}%)")
+    ax.axhline(1.0, color="red", lw=0.8, ls="--", label="1% goal")
+    ax.axvline(50.0, color="red", lw=0.8, ls=":", label="50x goal")
+    for every, marker in ((1, "s"), (10, "o"), (50, "^")):
+        pts = [pt for pt in data["points"] if pt["interval"] == every and "loss" in pt]
+        if not pts:
+            continue
+        ax.scatter([pt["ratio"] for pt in pts], [pt["loss_change_pct"] for pt in pts], marker=marker,
+                   label=f"checkpoint every {every} steps")
+        for pt in pts:
+            ax.annotate(pt["codec"], (pt["ratio"], pt["loss_change_pct"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set(xscale="log", xlabel="delta step smaller than torch.save (x)",
+           ylabel=f"held-out loss after {data['args']['resume_steps']} more steps vs exact resume (%)",
+           title=f"lossy codecs, {data['params'] / 1e6:.1f}M-param GPT + AdamW")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -147,18 +178,23 @@ def main() -> None:
     load_md, _ = run("load_bench", "--mb", "32" if args.quick else "64")
     dcp_md, _ = run("dcp_bench", *(["--width", "128", "--layers", "2", "--warmup", "30"] if args.quick else []))
     codecs_md, _ = run("codecs_bench", "--mb", "32" if args.quick else "64")
+    lossy_md, lossy_data = run("lossy", *(["--quick"] if args.quick else []))
     sweep_md, sweep = run("sweep", "--sizes", *(["5", "12"] if args.quick else ["5", "12", "25", "50", "100"]))
     layout_md, layout = run("layout", *(["--params", "10", "--small", "500", "--policy-params", "5", "--repeats", "2"]
                                         if args.quick else ["--repeats", "2"]))
     plot_training(training, RESULTS / "training.png", "GPT + AdamW, checkpoint every 10 steps")
     plot_training(frozen, RESULTS / "training-frozen.png", "fine-tuning: all but the last block frozen")
     plot_sweep(sweep, RESULTS / "sweep.png")
+    plot_pareto(lossy_data, RESULTS / "lossy.png")
     every, full_every = training["args"]["every"], training["args"]["full_every"]
     f = training_figures(training, every, full_every)
     ff = training_figures(frozen, every, full_every)
-    lossy = {k: v for k, v in f.items() if k.endswith("save_async")}
-    best_lossy = max(lossy, key=lossy.get)
-    fid = {k[len("fidelity "):]: v for k, v in f.items() if k.startswith("fidelity ")}
+    points = {(pt["codec"], pt["interval"]): pt for pt in lossy_data["points"]}
+    preset = points[("lossy (preset)", every)]
+    within = [pt for pt in lossy_data["points"]
+              if pt["interval"] == every and abs(pt.get("loss_change_pct", 99)) <= GOALS["fidelity_pct"]]
+    best = max(within, key=lambda pt: pt["ratio"], default=preset)
+    noise = max(abs(x) for x in lossy_data["noise_floor_pct"])
     gpt, small = layout["results"]["gpt"], layout["results"]["small"]
     elapsed = time.perf_counter() - started
 
@@ -174,8 +210,8 @@ reports (with their own commands) are in `benchmarks/results/*.md`, raw figures 
 | goal (issue) | measured | verdict |
 | --- | --- | --- |
 | lossless delta step >= {GOALS['lossless']}x smaller than torch.save | {f['lossless']:.2f}x (fine-tuning run: {ff['lossless']:.2f}x) | {verdict(f['lossless'], GOALS['lossless'])} |
-| lossy delta step >= {GOALS['lossy']:.0f}x smaller than torch.save | best {lossy[best_lossy]:.1f}x ({best_lossy}) | {verdict(lossy[best_lossy], GOALS['lossy'])} |
-| lossy resume within {GOALS['fidelity_pct']:.0f}% of the lossless resume's loss | {", ".join(f"{k.replace(' save_async', '')}: {v:+.2f}%" for k, v in fid.items() if 'lossless' not in k)} | {verdict(max(abs(v) for v in fid.values()), GOALS['fidelity_pct'], higher_is_better=False)} |
+| `codec="lossy"` delta step >= {GOALS['lossy']:.0f}x smaller than torch.save ({lossy_data['params'] / 1e6:.1f}M params, every {every} steps) | {preset['ratio']:.1f}x (best within {GOALS['fidelity_pct']:.0f}%: {best['ratio']:.1f}x, {best['codec']}) | {verdict(preset['ratio'], GOALS['lossy'])} |
+| `codec="lossy"` resume within {GOALS['fidelity_pct']:.0f}% of the exact resume's loss after {lossy_data['args']['resume_steps']} steps | {preset['loss_change_pct']:+.2f}% (noise floor +-{noise:.2f}%) | {verdict(abs(preset['loss_change_pct']), GOALS['fidelity_pct'], higher_is_better=False)} |
 | save_async stall <= {GOALS['stall']}x a bare device-to-host copy | {f['stall_async_vs_copy']:.2f}x | {verdict(f['stall_async_vs_copy'], GOALS['stall'], higher_is_better=False)} |
 
 Where amber-store loses:
@@ -195,10 +231,11 @@ Where amber-store loses:
   only sign, exponent and high mantissa bits repeat: XOR deltas compress to {1 / f['lossless']:.2f} of
   torch.save, not the {1 / GOALS['lossless']:.1f} the goal asks. Frozen tensors cost nothing (fine-tuning
   run), which is where lossless deltas shine.
-- **Lossy ratio.** Checkpointing every {every} steps, many elements of Adam's moments move by
-  more than 2%, so the 2% sparse delta is only {lossy['amber sparse 2% save_async']:.1f}x smaller than torch.save;
-  quantization (one scale per 1 MiB chunk) reaches {lossy[best_lossy]:.1f}x ({best_lossy}). Per-block
-  scales, entropy coding of the codes, and checkpointing more often are the levers left.
+- **Lossy fidelity of the optimizer's first moment.** At `codec="lossy"`'s ratio, Adam's
+  `exp_avg` is restored with a relative RMS error of {preset['errors']['exp_avg']:.2f} (weights {preset['errors']['weights']:.3f},
+  `exp_avg_sq` {preset['errors']['exp_avg_sq']:.3f}): it changes wholesale between checkpoints and costs the
+  most bits to keep. Its error fades within a few dozen steps (beta1 = 0.9), which the
+  {lossy_data['args']['resume_steps']}-step fidelity figure does not see; see the Pareto plot below for finer settings.
 
 ## Format 3: save and load speed, footprint, base policies
 
@@ -231,6 +268,12 @@ Where amber-store loses:
 ## torch.distributed.checkpoint
 
 {dcp_md}
+
+## Lossy codecs: bytes against resumed loss (Pareto)
+
+![bytes per delta step vs resumed loss change](results/lossy.png)
+
+{lossy_md}
 
 ## Encode throughput
 

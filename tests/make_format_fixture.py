@@ -1,8 +1,8 @@
 """Writes the small reference store of the on-disk format (docs/FORMAT.md).
 
-``python tests/make_format_fixture.py tests/data/format-v4`` made the newest committed copy
-(``format-v1`` to ``-v3`` were made by the code of their versions, with ``expected(1)`` to
-``expected(3)``); the tests read every
+``python tests/make_format_fixture.py tests/data/format-v5`` made the newest committed copy
+(``format-v1`` to ``-v4`` were made by the code of their versions, with ``expected(1)`` to
+``expected(4)``); the tests read every
 committed copy back with the current code, so a change that breaks old stores fails CI, and
 also read back what this script writes today. Never edit a committed copy by hand; when the
 format version changes, add a new ``format-vN`` directory and keep the old ones.
@@ -25,14 +25,17 @@ def lossy_policy() -> list:
 
     return [("lossy/q", amber.QuantizedDeltaCodec(bits=4, min_numel=1)),
             ("lossy/s", amber.SparseDeltaCodec(min_numel=1)),
-            ("lossy/p", amber.QuantizedDeltaCodec(bits=8, min_numel=1))]
+            ("lossy/p", amber.QuantizedDeltaCodec(bits=8, min_numel=1)),
+            ("lossy/blk", amber.BlockDeltaCodec(step=0.2, block=16, min_numel=1)),
+            ("lossy/ratio", amber.RatioDeltaCodec(step=0.05, min_numel=1))]
 
 
-def expected(version: int = 4) -> dict[int, dict]:
+def expected(version: int = 5) -> dict[int, dict]:
     """The state saved at each step: full, xor delta, then same/new/shape-change/removed; from
     version 2 on also a quantized and a sparse tensor; from version 3 on a packed tensor that
     changes every step and a packed quantized one; from version 4 on the newer leaf kinds and
-    a tensor tied to model/w."""
+    a tensor tied to model/w; from version 5 on a block-quantized sharded tensor (with a NaN
+    at step 3) and a packed ratio-coded one (with a zero)."""
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
     model = OrderedDict(w=w, b=torch.linspace(-1, 1, 5).to(torch.bfloat16), mask=torch.tensor([True, False, True]))
     model._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() returns
@@ -70,6 +73,12 @@ def expected(version: int = 4) -> dict[int, dict]:
                 "size": torch.Size([step, 2]), "bytes": bytes([step]), "set": {step, "s"}, "frozenset": frozenset({1}),
                 (step, "tuple key"): bytearray(b"x"),
             }
+    if version >= 5:
+        blk = torch.sin(torch.arange(60, dtype=torch.float32)).reshape(6, 10)
+        for step, state in states.items():
+            state["lossy"]["blk"] = blk + 0.1 * step * torch.cos(blk * step)
+            state["lossy"]["ratio"] = torch.linspace(0, 3, 9) ** 2 * (1 + 0.07 * step)
+        states[3]["lossy"]["blk"][2, 3] = float("nan")
     return states
 
 

@@ -34,6 +34,9 @@ def check_reference_store(path: Path, version: int) -> None:
             assert torch.allclose(got["lossy"]["s"], lossy["s"], rtol=0.021)
             if "p" in lossy:
                 assert torch.allclose(got["lossy"]["p"], lossy["p"], atol=0.01)
+            if "blk" in lossy:
+                assert torch.allclose(got["lossy"]["blk"], lossy["blk"], atol=0.2, equal_nan=True)
+                assert torch.allclose(got["lossy"]["ratio"], lossy["ratio"], rtol=0.026)
     encodings = {k: e.encoding for k, e in store.manifest(3).tensors.items()}
     assert encodings["model/w"] == "same" and encodings["model/b"] == "full" and encodings["new"] == "full"
     assert store.manifest(2).tensors["model/w"].encoding == "xor"
@@ -48,9 +51,13 @@ def check_reference_store(path: Path, version: int) -> None:
         got = store.load(2, lazy=False)
         assert got["tied"] is got["model"]["w"] and "tied" not in store.manifest(2).tensors
         assert store.manifest(2).tensors["leaves/rng"].encoding == "xor"
+    if version >= 5:
+        entries = store.manifest(3).tensors
+        assert entries["lossy/blk"].encoding == "block" and entries["lossy/blk"].index is not None
+        assert entries["lossy/ratio"].encoding == "ratio" and entries["lossy/ratio"].pack is not None
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
 def test_every_committed_format_version_reads_back_with_the_current_code(tmp_path, version):
     copy = tmp_path / f"v{version}"
     shutil.copytree(DATA / f"format-v{version}", copy)  # reads need no write access; keep the fixture pristine
@@ -86,6 +93,17 @@ def test_stock_zarr_walks_the_root_and_reads_full_step_arrays_and_packs_bit_exac
     name, offset, length = m.tensors["ids"].pack
     assert name == "pack" and torch.equal(torch.from_numpy(pack[offset:offset + length].view("int64")),
                                           expected()[1]["ids"])
+
+
+def test_stock_zarr_reads_the_codes_of_an_entropy_coded_delta(tmp_path):
+    write(str(tmp_path / "s"))
+    store = amber.open(tmp_path / "s", mode="r")
+    m = store.manifest(2)
+    group = zarr.open_group(tmp_path / "s" / m.group, mode="r", use_consolidated=True)
+    codes = torch.from_numpy(group[fmt.array_name("lossy/blk")][:])
+    assert codes.dtype == torch.int8 and codes.shape == (6, 10) and bool(codes.any())
+    moved = store.load(2, lazy=False)["lossy"]["blk"] - store.load(1, lazy=False)["lossy"]["blk"]
+    assert torch.equal(codes.sign(), moved.sign().to(torch.int8))  # restored = base + codes * 2^e
 
 
 def test_delta_arrays_name_their_codec_and_base_and_resolve_without_importing_amber_store(tmp_path):

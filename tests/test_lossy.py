@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ from zarr.core.dtype import parse_dtype
 from zarr.core.sync import sync
 
 import amber_store as amber
-from amber_store.codecs import Pack4BytesCodec, SparseBytesCodec
+from amber_store.codecs import ESCAPE, AnsBytesCodec, Pack4BytesCodec, SparseBytesCodec
 from conftest import assert_bit_equal
 
 
@@ -63,6 +65,136 @@ def test_quantized_error_stays_within_half_a_step_scale_over_a_50_step_chain(loc
         bound = scales.repeat_interleave(rows)[: w.shape[0]].unsqueeze(1) / 2
         err = (restored - w).abs()
         assert bool((err <= bound * (1 + 1e-5) + 1e-7).all()), (step, float((err - bound).max()))
+
+
+def per_block(x: torch.Tensor, chunk_rows: int, block: int, reduce) -> torch.Tensor:
+    """``reduce`` of each element's block (``block`` elements of a chunk of ``chunk_rows`` rows,
+    the last block of a chunk zero-padded), per element."""
+    out = torch.empty(x.numel())
+    flat = x.reshape(-1)
+    per_chunk = chunk_rows * x.shape[1]
+    for lo in range(0, flat.numel(), per_chunk):
+        for a in range(lo, min(lo + per_chunk, flat.numel()), block):
+            b = min(a + block, lo + per_chunk, flat.numel())
+            padded = torch.zeros(block)
+            padded[: b - a] = flat[a:b]
+            out[a:b] = reduce(padded)
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("step", [0.01, 0.1, 1.0])
+def test_block_delta_error_stays_within_half_a_block_step_over_a_50_step_chain(local_store, step):
+    codec = amber.BlockDeltaCodec(step=step, block=64)
+    store = local_store(codec=codec, full_every=1000, chunk_bytes=8192, base_policy="chain")
+    reader = local_store(mode="r")
+    restored = None
+    for n, w in drift(50):
+        store.save(n, {"w": w})
+        entry = store.manifest(n).tensors["w"]
+        previous, restored = restored, reader.load(n)["w"].materialize()
+        if previous is None:
+            assert_bit_equal(restored, w)
+            continue
+        assert entry.encoding in ("block", "same") and entry.params in ({"block": 64}, None)
+        # the delta is taken against the previous *restored* value; the bound is per block: half
+        # of sqrt(2) * step * RMS value, or of the power of two that keeps the largest code in int8
+        rows = entry.chunks[0]
+        bound = torch.maximum(math.sqrt(2) / 2 * step * per_block(w, rows, 64, lambda x: x.square().mean().sqrt()),
+                              per_block(w - previous, rows, 64, lambda x: 2 ** (x.abs().max() / 127).log2().ceil() / 2))
+        err = (restored - w).abs()
+        assert bool((err <= bound * (1 + 1e-5) + 1e-7).all()), (n, float((err - bound).max()))
+        assert bool((err > 0).any()), n  # lossy: elements moving less than half a step keep their base
+
+
+def test_a_block_whose_values_collapse_takes_the_step_its_largest_change_needs(local_store):
+    # relative to the (now tiny) new values the step would be ~1e-3 and the codes of a change
+    # of 40 would overflow int8: the step is raised to fit them, not the codes clipped
+    store = local_store(codec=amber.BlockDeltaCodec(step=1.0))
+    w = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 10
+    store.save(1, {"w": w})
+    store.save(2, {"w": w * 1e-4})
+    err = (store.load(2)["w"].materialize() - w * 1e-4).abs().view(16, 256).amax(1)
+    fit = torch.exp2(torch.ceil(torch.log2(w.abs().view(16, 256).amax(1) / 127)))
+    assert bool((err <= fit / 2).all())
+
+
+def test_ratio_delta_keeps_relative_error_within_half_a_step_and_exact_zeros(local_store):
+    codec = amber.RatioDeltaCodec(step=0.1)
+    store = local_store(codec=codec, full_every=1000, chunk_bytes=8192, base_policy="chain")
+    reader = local_store(mode="r")
+    for n, w in drift(30):
+        v = w.square()
+        v[0, :5] = 0.0  # never-updated second moments stay exactly zero
+        if n == 20:
+            v[1, 0] = 3.0e30  # far beyond the code range: stored exact
+        store.save(n, {"v": v})
+        restored = reader.load(n)["v"].materialize()
+        ratio = restored[v > 0] / v[v > 0]
+        assert bool((ratio <= 1.1 ** 0.5 * (1 + 1e-6)).all() and (ratio >= 1.1 ** -0.5 * (1 - 1e-6)).all()), n
+        assert_bit_equal(restored[0, :5], v[0, :5])
+        if n == 20:
+            assert store.manifest(n).tensors["v"].encoding == "ratio" and bool(restored[1, 0] == v[1, 0])
+    assert bool((restored != v).any())
+
+
+@pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.2), amber.RatioDeltaCodec(step=0.02)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_entropy_coded_deltas_store_non_finite_values_exactly_in_any_float_dtype(local_store, codec, dtype):
+    store = local_store(codec=codec, chunk_bytes=4096)
+    w = (torch.rand(40, 50) + 0.5).to(dtype)
+    store.save(1, {"w": w})
+    w2 = (w.double() * (1 + 0.05 * torch.randn(40, 50))).to(dtype)
+    w2[3, 4], w2[7, 0], w2[39, 49] = float("nan"), float("inf"), -float("inf")
+    store.save(2, {"w": w2})
+    assert store.manifest(2).tensors["w"].encoding == codec.encoding
+    got = local_store(mode="r").load(2, lazy=False)["w"]
+    finite = torch.isfinite(w2)
+    assert_bit_equal(got[~finite], w2[~finite])
+    assert torch.allclose(got[finite].double(), w2[finite].double(), rtol=0.2, atol=0.2)
+    assert bool((got[finite] != w2[finite]).any())
+
+
+def test_a_lazy_slice_of_a_block_delta_reads_the_same_bits_as_a_whole_load(local_store):
+    store = local_store(codec=amber.BlockDeltaCodec(step=0.01, block=100), chunk_bytes=4096, pack_threshold=1024)
+    w = torch.randn(300, 30)
+    store.save(1, {"w": w})
+    store.save(2, {"w": w + 0.01 * torch.randn(300, 30)})
+    whole = store.load(2, lazy=False)["w"]
+    assert_bit_equal(store.load(2)["w"][137:171], whole[137:171])
+    assert store.manifest(2).tensors["w"].array is not None  # sharded, several chunks
+
+
+def test_the_lossy_preset_uses_ratio_for_second_moments_block_elsewhere_and_keeps_the_rest_exact(local_store):
+    store = local_store(codec="lossy")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)  # weights move past the preset's precision
+    for step in range(1, 4):
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        store.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "seen": torch.arange(300) * step})
+    entries = store.manifest(3).tensors
+    assert entries["model/0.weight"].encoding == "block" and entries["optim/state/0/exp_avg"].encoding == "block"
+    assert entries["optim/state/0/exp_avg_sq"].encoding == "ratio"
+    assert entries["model/1.weight"].encoding == "xor"  # 128 elements: below min_numel
+    assert entries["optim/state/0/step"].encoding == "xor" and entries["seen"].encoding == "xor"
+    got = store.load(3, lazy=False)
+    assert_bit_equal(got["optim"]["state"][0]["step"], opt.state_dict()["state"][0]["step"])
+    assert_bit_equal(got["model"]["1.bias"], model.state_dict()["1.bias"])
+
+
+def test_stock_zarr_reads_the_codes_of_an_entropy_coded_chunk():
+    codes = np.zeros((40, 25), dtype=np.int8)
+    codes[3, :7] = [1, -1, 2, ESCAPE, 5, -3, 1]
+    codec = amber.BlockDeltaCodec(block=64)
+    recon = np.arange(codes.size, dtype=np.uint32)
+    raw = np.frombuffer(codec.serialize(codes, np.array([-3] * 16, dtype=np.int8), recon), np.uint8)
+    s = spec(codes.shape, "int8")
+    decoded = sync(AnsBytesCodec(64)._decode_single(default_buffer_prototype().buffer.from_bytes(raw.tobytes()), s))
+    assert np.array_equal(decoded.as_numpy_array(), codes)
+    side, got, escaped = codec._parse(raw, codes.size, np.dtype("uint32"))
+    assert np.array_equal(got.reshape(codes.shape), codes) and list(side) == [-3] * 16
+    assert list(escaped) == [recon[3 * 25 + 3]]
+    assert AnsBytesCodec.from_dict(AnsBytesCodec(64).to_dict()) == AnsBytesCodec(64)
 
 
 def test_a_lossy_policy_for_optimizer_state_leaves_model_weights_bit_exact(make_store):
@@ -142,7 +274,9 @@ def test_sparse_and_pack4_serializers_round_trip_their_own_encoded_form(codec, d
 
 
 @pytest.mark.parametrize("codec", [amber.XorDeltaCodec(3, "a/b"), amber.SparseDeltaCodec(3, "a/b", 0.05, None),
-                                   amber.SparseDeltaCodec(topk=0.1), amber.QuantizedDeltaCodec(1, "x", bits=4)])
+                                   amber.SparseDeltaCodec(topk=0.1), amber.QuantizedDeltaCodec(1, "x", bits=4),
+                                   amber.BlockDeltaCodec(2, "w", step=3.0, block=128),
+                                   amber.RatioDeltaCodec(2, "v", step=0.07, min_numel=10)])
 def test_delta_codec_metadata_round_trips(codec):
     assert type(codec).from_dict(codec.to_dict()) == codec
 
@@ -152,3 +286,7 @@ def test_unknown_codec_names_are_refused():
         amber.open("memory://x-codec", codec="zip")
     with pytest.raises(ValueError, match="bits"):
         amber.QuantizedDeltaCodec(bits=3)
+    with pytest.raises(ValueError, match="step"):
+        amber.BlockDeltaCodec(step=0.001)
+    with pytest.raises(ValueError, match="step"):
+        amber.RatioDeltaCodec(step=2.0)
