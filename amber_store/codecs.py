@@ -352,7 +352,6 @@ class _CodedDelta(DeltaCodec):
     min_numel: int = 256
     shuffle: ClassVar[Shuffle] = "noshuffle"
     entropy_coded: ClassVar[bool] = True
-    has_side: ClassVar[bool] = False
 
     def applies_to(self, dtype: str, numel: int) -> bool:
         return DTYPES[dtype].is_floating_point and numel >= self.min_numel
@@ -371,20 +370,17 @@ class _CodedDelta(DeltaCodec):
     def serialize(self, chunk: np.ndarray, side: np.ndarray | None = None, recon: np.ndarray | None = None) -> Any:
         assert recon is not None
         codes = chunk.reshape(-1)
-        parts = [ans_encode(side)] if self.has_side else []
+        parts = [ans_encode(side)] if self.side_width else []
         parts.append(ans_encode(codes))
         escaped = codes[: recon.size] == ESCAPE
         if escaped.any():
             parts.append(recon.reshape(-1)[escaped].astype(recon.dtype.newbyteorder("<")).tobytes())
         return b"".join(parts)
 
-    def deserialize(self, raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        return self._parse(raw, int(np.prod(shape)), np.dtype("uint8"))[1].reshape(shape)
-
     def _parse(self, raw: np.ndarray, n: int, bits: np.dtype) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         """(side codes, element codes, escaped bits) of one stored chunk of ``n`` elements."""
         at, side = 0, None
-        if self.has_side:
+        if self.side_width:
             side, at = ans_decode(raw, -(-n // self.side_width))
         codes, used = ans_decode(raw[at:], n)
         at += used
@@ -480,7 +476,6 @@ class BlockDeltaCodec(_CodedDelta):
 
     name: ClassVar[str] = "amber.block_delta"
     encoding: ClassVar[str] = "block"
-    has_side: ClassVar[bool] = True
     step: float = 0.1
     block: int = 256
 
