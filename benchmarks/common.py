@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import statistics
 import time
@@ -40,3 +41,23 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in cells]
     return "\n".join(out)
+
+
+def training_run_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of a benchmark that trains amber_store.demo's TinyGPT and resumes it."""
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--resume-steps", type=int, default=200)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+
+
+def eval_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross-entropy of ``model`` over held-out ``batches``."""
+    with torch.no_grad():
+        losses = []
+        for x, y in batches:
+            logits = model(x)
+            losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))))
+    return statistics.mean(losses)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import amber_store as amber  # noqa: E402
 from amber_store.demo import GPTConfig, Trainer, corpus  # noqa: E402
 from amber_store.export import flat_tensors  # noqa: E402
-from benchmarks.common import machine, table  # noqa: E402
+from benchmarks.common import eval_loss, machine, table, training_run_args  # noqa: E402
 
 
 def policies() -> dict[str, Any]:
@@ -81,12 +81,7 @@ def relative_errors(restored: dict, exact: dict) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--resume-steps", type=int, default=200)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
+    training_run_args(p)
     p.add_argument("--quick", action="store_true", help="small model, 100+60 steps, interval 10 only")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -132,9 +127,7 @@ def main() -> None:
             for step in range(last + 1, last + args.resume_steps + 1):
                 t.step(step)
                 if (last + args.resume_steps - step) % 20 == 0 and last + args.resume_steps - step <= 100:
-                    with torch.no_grad():
-                        losses += [float(torch.nn.functional.cross_entropy(t.model(x).reshape(-1, cfg.vocab),
-                                                                           y.reshape(-1))) for x, y in eval_batches]
+                    losses.append(eval_loss(t.model, eval_batches))
             return statistics.mean(losses)
 
         reference = resume(torch.load(_serialized(exact), weights_only=False))

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import amber_store as amber  # noqa: E402
 from amber_store.demo import GPTConfig, Trainer, corpus  # noqa: E402
 from amber_store.export import flat_tensors  # noqa: E402
-from benchmarks.common import machine, table  # noqa: E402
+from benchmarks.common import eval_loss, machine, table, training_run_args  # noqa: E402
 
 
 def dir_bytes(path: Path) -> int:
@@ -132,15 +132,6 @@ def _size_and_remove(path: Path) -> int:
     return size
 
 
-def eval_loss(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    with torch.no_grad():
-        losses = []
-        for x, y in batches:
-            logits = trainer.model(x)
-            losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))))
-    return statistics.mean(losses)
-
-
 def make_trainer(cfg: GPTConfig, args: argparse.Namespace, text: torch.Tensor, init_seed: int | None = None) -> Trainer:
     trainer = Trainer(cfg, batch=args.batch, data=text, init_seed=init_seed)
     if args.freeze:
@@ -153,14 +144,9 @@ def make_trainer(cfg: GPTConfig, args: argparse.Namespace, text: torch.Tensor, i
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
+    training_run_args(p)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--full-every", type=int, default=10)
-    p.add_argument("--resume-steps", type=int, default=200)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="small model, 100+60 steps")
     p.add_argument("--freeze", action="store_true",
                    help="fine-tuning-like: freeze the embeddings and every block but the last")
@@ -206,12 +192,12 @@ def main() -> None:
             t.load(stores[name].load(latest, lazy=False))
             for step in range(latest + 1, latest + args.resume_steps + 1):
                 t.step(step)
-            resumed[name] = eval_loss(t, eval_batches)
+            resumed[name] = eval_loss(t.model, eval_batches)
             if name == "amber lossless save":
                 reference_final = {k: v.clone() for k, v in t.model.state_dict().items()}
         for step in range(args.steps + 1, latest + args.resume_steps + 1):
             trainer.step(step)
-        never_stopped = eval_loss(trainer, eval_batches)
+        never_stopped = eval_loss(trainer.model, eval_batches)
         uninterrupted_equal = reference_final is not None and all(
             torch.equal(reference_final[k], v) for k, v in trainer.model.state_dict().items()) and latest == args.steps
     finally:

@@ -164,8 +164,8 @@ def test_a_lazy_slice_of_a_block_delta_reads_the_same_bits_as_a_whole_load(local
     assert store.manifest(2).tensors["w"].array is not None  # sharded, several chunks
 
 
-def test_the_lossy_preset_uses_ratio_for_second_moments_block_elsewhere_and_keeps_the_rest_exact(local_store):
-    store = local_store(codec="lossy")
+def test_the_lossy_preset_uses_ratio_for_second_moments_block_elsewhere_and_keeps_the_rest_exact(make_store):
+    store = make_store(codec="lossy")
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)  # weights move past the preset's precision
     for step in range(1, 4):
