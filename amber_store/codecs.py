@@ -818,13 +818,14 @@ class Compression:
         chain = [delta.to_dict()] if delta is not None else []
         return chain + [serializer, self.config(itemsize(dtype), delta), {"name": "crc32c"}]
 
-    def compress(self, payload: Any, typesize: int, delta: DeltaCodec | None) -> bytes:
-        """The bytes of one stored chunk of ``delta`` (``None``: raw values). Releases the GIL,
-        so chunks compress in parallel."""
+    def compress(self, payload: Any, typesize: int, delta: DeltaCodec | None) -> list[bytes]:
+        """One stored chunk of ``delta`` (``None``: raw values), as the parts to lay end to end:
+        the blosc frame and its crc32c (kept apart: writers gather them without a copy).
+        Releases the GIL, so chunks compress in parallel."""
         cname, shuffle, level = self.blosc(delta)
         packed = blosc.compress(payload, cname.encode(), level, _BLOSC_SHUFFLE[_effective(shuffle, typesize)],
                                 BLOSC_BLOCK, typesize)
-        return packed + crc32c.crc32c(packed).to_bytes(4, "little")
+        return [packed, crc32c.crc32c(packed).to_bytes(4, "little")]
 
 
 _BLOSC_SHUFFLE = {"noshuffle": blosc.NOSHUFFLE, "shuffle": blosc.SHUFFLE, "bitshuffle": blosc.BITSHUFFLE}

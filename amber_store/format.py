@@ -334,13 +334,11 @@ def _from_npy(text: str) -> np.ndarray:
         raise CorruptDataError(f"a numpy value in the state tree cannot be read safely ({e})") from e
 
 
-def _tensor_alias(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """What makes two tensors the same tensor: one storage, offset, shape, strides and dtype
-    (tied weights). Partly overlapping views are not aliases: each is stored on its own."""
-    if t.is_meta or t.numel() == 0:
-        return None
-    # data_ptr() is the storage's address plus the offset: half the cost of asking for both
-    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is ``b`` stored at the same address: one storage, offset, shape, strides and
+    dtype (tied weights). Partly overlapping views are not: each is stored on its own."""
+    return (a.numel() > 0 and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
 
 
 def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -355,29 +353,37 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     import torch
 
     tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[tuple[Any, ...], str] = {}
+    # Tensors by address (data_ptr(): 0 for empty and meta tensors, which never alias); only
+    # tensors at the same address are compared in full. Per-tensor work here is most of
+    # save_async's stall for thousands of small tensors: keep it lean.
+    at: dict[int, list[tuple[torch.Tensor, str]]] = {}
+    dtypes = _torch_dtypes().by_dtype
+    strided = torch.strided
 
-    def tensor(t: torch.Tensor, path: list[str], where: str) -> str:
-        alias = _tensor_alias(t)
-        if alias in aliases:
-            return aliases[alias]
-        key = "/".join(path) if path else "_"
+    def tensor(t: torch.Tensor, path: str) -> str:
+        ptr = t.data_ptr()
+        if ptr:
+            for other, other_key in at.get(ptr, ()):
+                if _same_tensor(t, other):
+                    return other_key
+        key = path or "_"
         if key in tensors:
             raise UnsupportedStateError(f"two tensors map to the same key {key!r}")
-        dtype_name(t.dtype)
-        if t.layout != torch.strided:  # sparse, sparse CSR, mkldnn...
-            raise UnsupportedStateError(f"{where}: only strided (dense) tensors are supported")
+        if t.dtype not in dtypes:
+            dtype_name(t.dtype)  # raises, naming the supported dtypes
+        if t.layout != strided:  # sparse, sparse CSR, mkldnn...
+            raise UnsupportedStateError(f"{path or '<root>'}: only strided (dense) tensors are supported")
         tensors[key] = t
-        if alias is not None:
-            aliases[alias] = key
+        if ptr:
+            at.setdefault(ptr, []).append((t, key))
         return key
 
-    def walk(obj: Any, path: list[str]) -> dict[str, Any]:
-        where = "/".join(path) or "<root>"
+    def walk(obj: Any, path: str) -> dict[str, Any]:
         if isinstance(obj, torch.Tensor):
-            return {"tensor": tensor(obj, path, where)}
+            return {"tensor": tensor(obj, path)}
+        prefix = path + "/" if path else ""
         if isinstance(obj, dict):
-            items = [[k if isinstance(k, str) or type(k) is int else key(k, where), walk(v, path + [_key_segment(k)])]
+            items = [[k if isinstance(k, str) or type(k) is int else key(k, path), walk(v, prefix + _key_segment(k))]
                      for k, v in obj.items()]
             if not isinstance(obj, OrderedDict):
                 return {"dict": items}
@@ -386,22 +392,21 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             meta = getattr(obj, "_metadata", None)
             node: dict[str, Any] = {"odict": items}
             if meta is not None:
-                node["metadata"] = walk(meta, path + ["_metadata"])
+                node["metadata"] = walk(meta, prefix + "_metadata")
             return node
         if isinstance(obj, torch.Size):
             return {"size": list(obj)}
         if isinstance(obj, (list, tuple, set, frozenset)):
             kind = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}[
                 next(c for c in (list, tuple, set, frozenset) if isinstance(obj, c))]
-            return {kind: [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
+            return {kind: [walk(v, prefix + str(i)) for i, v in enumerate(obj)]}
         if isinstance(obj, np.ndarray):
             if obj.dtype.isnative and obj.dtype.name in ITEMSIZES:
                 array = np.ascontiguousarray(obj)
-                return {"ndarray": tensor(torch.from_numpy(array if array.flags.writeable else array.copy()),
-                                          path, where)}
-            return {"npy": npy(obj, where)}
+                return {"ndarray": tensor(torch.from_numpy(array if array.flags.writeable else array.copy()), path)}
+            return {"npy": npy(obj, path)}
         if isinstance(obj, np.generic):
-            return {"npscalar": npy(np.asarray(obj), where)}
+            return {"npscalar": npy(np.asarray(obj), path)}
         if isinstance(obj, float):
             return {"float": obj.hex()}
         if obj is None or isinstance(obj, (bool, int, str)):
@@ -415,25 +420,25 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if isinstance(obj, torch.device):
             return {"device": str(obj)}
         raise UnsupportedStateError(
-            f"{where}: cannot store a {type(obj).__name__}; leaves must be tensors, numpy arrays or scalars, "
+            f"{path or '<root>'}: cannot store a {type(obj).__name__}; leaves must be tensors, numpy arrays or scalars, "
             "int, float, str, bool, None, bytes, pathlib paths, torch.dtype, torch.device or torch.Size"
         )
 
-    def npy(array: np.ndarray, where: str) -> str:
+    def npy(array: np.ndarray, path: str) -> str:
         try:
             return _npy(array)
         except ValueError as e:  # object arrays need pickle
-            raise UnsupportedStateError(f"{where}: cannot store a numpy array of dtype {array.dtype} ({e})") from e
+            raise UnsupportedStateError(f"{path or '<root>'}: cannot store a numpy array of dtype {array.dtype} ({e})") from e
 
-    def key(k: Any, where: str) -> dict[str, Any]:
+    def key(k: Any, path: str) -> dict[str, Any]:
         def holds_tensor(o: Any) -> bool:
             return isinstance(o, torch.Tensor) or (isinstance(o, (tuple, frozenset)) and any(map(holds_tensor, o)))
 
         if holds_tensor(k):
-            raise UnsupportedStateError(f"{where}: dict key {k!r} holds a tensor")
-        return walk(k, [])
+            raise UnsupportedStateError(f"{path or '<root>'}: dict key {k!r} holds a tensor")
+        return walk(k, "")
 
-    return walk(state, []), tensors
+    return walk(state, ""), tensors
 
 
 def unflatten(tree: dict[str, Any], leaf: Callable[[str], Any], mapping: Callable[[Any], Any] = lambda d: d) -> Any:

@@ -13,18 +13,17 @@ while the next tensors encode, at most ``max_inflight_bytes`` of them at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import crc32c
 import numpy as np
 import torch
-from zarr.abc.store import Store as ZarrStore
-from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from . import format as fmt
@@ -70,24 +69,33 @@ def _padded(data: np.ndarray, length: int) -> np.ndarray:
     return out
 
 
-def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, new_base: np.ndarray, padded: int,
-                    compression: Compression, typesize: int) -> tuple[bytes | None, int]:
-    """One chunk of a full or XOR step: (stored bytes, or ``None`` when all zero; crc32c of
-    the materialized bits). ``new_base`` receives the value."""
+@functools.lru_cache(maxsize=64)
+def _zeros_crc(nbytes: int) -> int:
+    return crc32c.crc32c(bytes(nbytes))
+
+
+def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, base_crc: int | None, new_base: np.ndarray,
+                    padded: int, compression: Compression, typesize: int) -> tuple[list[bytes] | None, int]:
+    """One chunk of a full or XOR step: (stored parts, or ``None`` when all zero; crc32c of
+    the materialized bits). ``new_base`` receives the value. A chunk whose crc32c differs from
+    its base's (or, in a full step, from zeros') has changed: only an equal crc32c costs a
+    comparison pass."""
     crc = crc32c.crc32c(value)
     np.copyto(new_base, value)
     if base is None:
+        if crc == _zeros_crc(value.nbytes) and not value.any():
+            return None, crc
         data = value
     else:
+        if (base_crc is None or crc == base_crc) and np.array_equal(value, base):
+            return None, crc
         data = scratch(value.nbytes).view(value.dtype)
         np.bitwise_xor(value, base, out=data)
-    if not data.any():
-        return None, crc
     return compression.compress(_padded(data, padded), typesize, None if base is None else _XOR), crc
 
 
 def _delta_chunk(codec: DeltaCodec, data: np.ndarray, side: np.ndarray | None, recon: np.ndarray, padded: int,
-                 compression: Compression, typesize: int) -> tuple[bytes | None, int]:
+                 compression: Compression, typesize: int) -> tuple[list[bytes] | None, int]:
     """One chunk of a precomputed delta (device XOR or a lossy codec): stored bytes and the
     crc32c of the reconstruction."""
     crc = crc32c.crc32c(recon)
@@ -96,15 +104,22 @@ def _delta_chunk(codec: DeltaCodec, data: np.ndarray, side: np.ndarray | None, r
     return compression.compress(codec.serialize(_padded(data, padded), side, recon), typesize, codec), crc
 
 
-def _shard_index(blobs: list[bytes | None]) -> tuple[list[list[int] | None], int]:
-    """``[offset, nbytes]`` of each stored chunk when ``blobs`` are laid end to end (``None``:
-    not stored), and their total size."""
+def _shard(blobs: list[list[bytes] | None]) -> tuple[list[list[int] | None], list[bytes], int]:
+    """A shard object of the stored chunks ``blobs`` (each a list of parts; ``None``: not
+    stored): each chunk's ``[offset, nbytes]``, the parts of the object (the chunks end to end,
+    then the index) and the chunks' total size."""
     index: list[list[int] | None] = []
+    parts: list[bytes] = []
     offset = 0
     for blob in blobs:
-        index.append(None if blob is None else [offset, len(blob)])
-        offset += 0 if blob is None else len(blob)
-    return index, offset
+        if blob is None:
+            index.append(None)
+            continue
+        size = sum(len(p) for p in blob)
+        index.append([offset, size])
+        parts += blob
+        offset += size
+    return index, parts + [fmt.shard_index(index)], offset
 
 
 async def _running_loop() -> asyncio.AbstractEventLoop:
@@ -117,26 +132,27 @@ class _Pending:
 
     key: str
     entry: TensorEntry
-    chunks: list[Future[tuple[bytes | None, int]]]
+    chunks: list[Future[tuple[list[bytes] | None, int]]]
     nbytes: int
 
 
 class StepWriter:
     """Encodes and writes the tensors of one step into the attempt group ``group``.
 
-    ``add`` each tensor, then ``finish``; ``close`` always (it lets writes in flight settle).
-    ``recycle(key, like)`` may hand back a free host buffer for a tensor's new base bits. Past
-    ``deadline`` (``time.monotonic()``), waiting for writes raises :class:`TimeoutError` and
-    ``close`` cancels the writes still in flight. ``flush(key)``, if given, makes each object
-    durable right after its write.
+    ``put(key, parts)`` writes one object (its parts laid end to end, e.g.
+    :func:`~amber_store.uri.put_object`). ``add`` each tensor, then ``finish``; ``close``
+    always (it lets writes in flight settle). ``recycle(key, like)`` may hand back a free host
+    buffer for a tensor's new base bits. Past ``deadline`` (``time.monotonic()``), waiting for
+    writes raises :class:`TimeoutError` and ``close`` cancels the writes still in flight.
     """
 
-    def __init__(self, zstore: ZarrStore, group: str, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+    def __init__(self, put: Callable[[str, list[bytes]], Awaitable[None]], group: str, *,
+                 chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
                  pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD, compression: Compression = Compression(),
                  pack_name: str = fmt.PACK_PREFIX, max_inflight_bytes: int = 1 << 30,
                  recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
-                 deadline: float | None = None, flush: Callable[[str], None] | None = None) -> None:
-        self._zstore = zstore
+                 deadline: float | None = None) -> None:
+        self._put_object = put
         self._deadline = deadline
         self._group = group
         self._chunk_bytes = chunk_bytes
@@ -145,7 +161,6 @@ class StepWriter:
         self._pack_name = pack_name
         self._max_inflight = max_inflight_bytes
         self._recycle = recycle or (lambda key, like: None)
-        self._flush = flush
         self._loop = sync(_running_loop())
         self._pool = codec_pool()
         self._out = Written()
@@ -254,8 +269,9 @@ class StepWriter:
         if host is not None:
             src = host
             ref = None if base is None else bits_to_numpy(base.bits).reshape(-1)
-            jobs = [self._pool.submit(_lossless_chunk, src[a:b], None if ref is None else ref[a:b], new[a:b],
-                                      padded, self._compression, width) for a, b in runs]
+            crcs = base.entry.crc32c if base is not None and len(base.entry.crc32c) == len(runs) else [None] * len(runs)
+            jobs = [self._pool.submit(_lossless_chunk, src[a:b], None if ref is None else ref[a:b], crc, new[a:b],
+                                      padded, self._compression, width) for (a, b), crc in zip(runs, crcs)]
         else:
             assert stored is not None
             data = stored.reshape(-1)
@@ -282,8 +298,8 @@ class StepWriter:
             self._write_shard(p, [blob for blob, _ in results])
         self._reap(block=block)
 
-    def _write_shard(self, p: _Pending, blobs: list[bytes | None]) -> None:
-        index, offset = _shard_index(blobs)
+    def _write_shard(self, p: _Pending, blobs: list[list[bytes] | None]) -> None:
+        index, parts, offset = _shard(blobs)
         if p.entry.base is not None and offset == 0:  # nothing changed after all
             p.entry.encoding, p.entry.array, p.entry.params = "same", None, None
             self._out.arrays.pop(fmt.array_name(p.key), None)
@@ -295,20 +311,12 @@ class StepWriter:
         if offset == 0:  # all-zero full tensor: no object at all (absent chunks read as zero)
             self._inflight -= p.nbytes
             return
-        payload = b"".join([b for b in blobs if b is not None] + [fmt.shard_index(index)])
-        p.entry.stored = len(payload)
+        p.entry.stored = sum(len(part) for part in parts)
         assert p.entry.array is not None
-        self._put(fmt.shard_key(p.entry.array, len(p.entry.shape)), payload, p.nbytes)
+        self._put(fmt.shard_key(p.entry.array, len(p.entry.shape)), parts, p.nbytes)
 
-    def _put(self, key: str, payload: bytes, weight: int) -> None:
-        buf = default_buffer_prototype().buffer.from_bytes(payload)
-
-        async def write() -> None:
-            await self._zstore.set(key, buf)
-            if self._flush is not None:
-                await asyncio.to_thread(self._flush, key)
-
-        fut = asyncio.run_coroutine_threadsafe(write(), self._loop)
+    def _put(self, key: str, parts: list[bytes], weight: int) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self._put_object(key, parts), self._loop)
         self._writes[fut] = weight
         self._out.keys.append(key)
 
@@ -341,9 +349,7 @@ class StepWriter:
         # raw values when every packed tensor is (a full step), else compressed as deltas
         kind = None if all(entry.base is None for entry, _ in self._packed) else _XOR
         jobs = [self._pool.submit(self._compression.compress, part, typesize, kind) for part in parts]
-        blobs: list[bytes | None] = [j.result() for j in jobs]
-        index, _ = _shard_index(blobs)
-        payload = b"".join(blobs + [fmt.shard_index(index)])
+        index, payload, _ = _shard([j.result() for j in jobs])
         name = self._pack_name
         array = f"{self._group}/{name}"
         self._out.packs[name] = {"array": array, "chunk": size, "nbytes": len(stream), "index": index}
@@ -351,8 +357,9 @@ class StepWriter:
         self._out.arrays[name] = fmt.sharded_array_metadata((len(stream),), (size,), "uint8", inner,
                                                             {"pack": True})
         # Each packed tensor is charged its share of the compressed pack.
+        stored = sum(len(part) for part in payload)
         for entry, _ in self._packed:
-            entry.stored = len(payload) * entry.pack[2] // max(1, len(stream))  # type: ignore[index]
+            entry.stored = stored * entry.pack[2] // max(1, len(stream))  # type: ignore[index]
         self._inflight += len(stream)
         self._put(fmt.shard_key(array, 1), payload, len(stream))
 

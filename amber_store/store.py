@@ -41,7 +41,7 @@ from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written
 from .reader import Reader, ReadSession, gather
 from .retention import GCReport
-from .uri import Location, connect, is_storage_error, make_durable, object_flusher, require_conditional_writes
+from .uri import Location, connect, is_storage_error, make_durable, put_object, require_conditional_writes
 
 Mode = Literal["r", "a", "w"]
 #: save_timeout="auto": this many seconds, plus one per AUTO_TIMEOUT_RATE bytes of state.
@@ -443,9 +443,10 @@ class Store:
 
     def step_writer(self, group: str, pack_name: str = fmt.PACK_PREFIX, **kwargs: Any) -> StepWriter:
         """A writer of tensors into the attempt group ``group`` with this store's options."""
-        return StepWriter(self._loc.store, group, chunk_bytes=self.chunk_bytes, pack_threshold=self.pack_threshold,
+        return StepWriter(functools.partial(put_object, self._loc, durable=self.durable), group,
+                          chunk_bytes=self.chunk_bytes, pack_threshold=self.pack_threshold,
                           compression=self.compression, max_inflight_bytes=self._max_inflight, pack_name=pack_name,
-                          flush=object_flusher(self._loc) if self.durable else None, **kwargs)
+                          **kwargs)
 
     async def open_group(self, group: str, step: int) -> None:
         """Create the attempt group before its data, stamped with its start time, so retention

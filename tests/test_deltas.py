@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import crc32c
+import pytest
 import torch
 
 from amber_store import format as fmt
@@ -89,3 +91,52 @@ def test_chunk_shape_keeps_trailing_dims_whole_and_targets_the_chunk_size():
     assert fmt.choose_chunks((10, 3, 1 << 20), 4, 1 << 20) == (1, 1, 1 << 18)
     assert fmt.choose_chunks((), 4, 1 << 20) == ()
     assert fmt.choose_chunks((0, 5), 4, 1 << 20) == (1, 5)
+
+
+def forge_same_crc32c(data: bytes, changed_at: int, fix_at: int) -> bytes:
+    """``data`` with one byte changed at ``changed_at`` and four bytes at ``fix_at`` set so
+    that its CRC-32C stays the same (a CRC is linear: solve for the fix over GF(2))."""
+    n = len(data)
+    zeros = crc32c.crc32c(bytes(n))
+
+    def syndrome(at: int, value: bytes) -> int:
+        d = bytearray(n)
+        d[at: at + len(value)] = value
+        return crc32c.crc32c(bytes(d)) ^ zeros
+
+    pivots: dict[int, tuple[int, int]] = {}
+    for i in range(32):
+        vec, combo = syndrome(fix_at, (1 << i).to_bytes(4, "little")), 1 << i
+        while vec and (vec.bit_length() - 1) in pivots:
+            pv, pc = pivots[vec.bit_length() - 1]
+            vec, combo = vec ^ pv, combo ^ pc
+        if vec:
+            pivots[vec.bit_length() - 1] = (vec, combo)
+    target, fix = syndrome(changed_at, b"\x10"), 0
+    while target:
+        pv, pc = pivots[target.bit_length() - 1]
+        target, fix = target ^ pv, fix ^ pc
+    out = bytearray(data)
+    out[changed_at] ^= 0x10
+    out[fix_at: fix_at + 4] = (int.from_bytes(out[fix_at: fix_at + 4], "little") ^ fix).to_bytes(4, "little")
+    assert bytes(out) != data and crc32c.crc32c(bytes(out)) == crc32c.crc32c(data)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("against", ["its base", "zeros in a full step"])
+def test_a_changed_chunk_with_the_same_crc32c_as_before_is_still_stored(local_store, against):
+    # Writers skip the comparison pass of a chunk whose checksum changed; an equal checksum
+    # must still be compared byte by byte, or this chunk would silently read back as before.
+    store = local_store(pack_threshold=0, chunk_bytes=4096)
+    before = torch.randn(64, 64) if against == "its base" else torch.zeros(64, 64)
+    raw = before.numpy().tobytes()
+    chunk = forge_same_crc32c(raw[:4096], changed_at=100, fix_at=2000)
+    after = torch.frombuffer(bytearray(chunk + raw[4096:]), dtype=torch.float32).reshape(64, 64)
+    step = 1
+    if against == "its base":
+        store.save(step, {"w": before})
+        step = 2
+    store.save(step, {"w": after})
+    e = store.manifest(step).tensors["w"]
+    assert e.index[0] is not None and e.crc32c[0] == crc32c.crc32c(raw[:4096])
+    assert_bit_equal(local_store(mode="r").load(step)["w"].materialize(), after)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from zarr.core.buffer import Buffer
+from zarr.core.buffer import Buffer, default_buffer_prototype
+from zarr.core.sync import sync
 from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
 from amber_store import format as fmt
-from amber_store.uri import put_if_absent
+from amber_store.uri import MAP_MIN_BYTES, put_if_absent, put_object, resolve
 from conftest import flip_stored_byte, is_data_key, save_at_once, assert_bit_equal, assert_tree_bit_equal
 
 
@@ -107,6 +109,42 @@ def test_a_missing_object_is_reported_as_corruption(local_store, tmp_path, pack_
     (tmp_path / "ckpt" / (fmt.shard_key(m.packs["pack"]["array"], 1) if e.pack else shard_file(tmp_path / "ckpt", store, 1, "t4"))).unlink()
     with pytest.raises(amber.CorruptDataError, match="pack object .* is missing" if e.pack else "t4"):
         local_store(mode="r").load(1, lazy=False)
+
+
+def test_large_local_objects_are_read_mapped_and_a_truncated_one_is_reported_as_corruption(local_store, tmp_path):
+    store = local_store(pack_threshold=0, chunk_bytes=64 << 10)
+    w = torch.randn(1024, 1024)  # a 4 MiB object: above MAP_MIN_BYTES
+    store.save(1, {"w": w})
+    w2 = w + 1e-3 * torch.randn(1024, 1024)  # every element changes: a large delta object too
+    store.save(2, {"w": w2})
+    path = shard_file(tmp_path / "ckpt", store, 2, "w")
+    assert path.stat().st_size >= MAP_MIN_BYTES
+    zstore = local_store(mode="r").history.zstore
+    got = sync(zstore.get(str(path.relative_to(tmp_path / "ckpt")), default_buffer_prototype()))
+    base = got.as_numpy_array()
+    while not isinstance(base, mmap.mmap):  # a view of the mapped file, not a copy
+        base = base.obj if isinstance(base, memoryview) else base.base
+    reader = local_store(mode="r")
+    assert_bit_equal(reader.load(2)["w"][150:170], w2[150:170])  # range reads of mapped objects
+    assert_bit_equal(reader.load(2, lazy=False)["w"], w2)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    with pytest.raises(amber.CorruptDataError, match="step 2, tensor 'w'"):
+        local_store(mode="r").load(2, lazy=False)
+
+
+def test_a_mapped_read_keeps_its_bytes_when_the_object_is_replaced_or_deleted(tmp_path):
+    # amber-store writes every object aside and renames it into place, never in place, so a
+    # mapping taken by a reader stays valid (and unchanged) whatever happens to the name.
+    loc = resolve(tmp_path)
+    first, second = os.urandom(MAP_MIN_BYTES + 1), os.urandom(MAP_MIN_BYTES + 1)
+    sync(put_object(loc, "obj", [first[:1000], first[1000:]], durable=True))
+    got = sync(loc.store.get("obj", default_buffer_prototype()))
+    sync(put_object(loc, "obj", [second], durable=False))
+    assert got.to_bytes() == first
+    assert sync(loc.store.get("obj", default_buffer_prototype())).to_bytes() == second
+    (tmp_path / "obj").unlink()
+    assert got.to_bytes() == first and sync(loc.store.get("obj", default_buffer_prototype())) is None
 
 
 def test_unknown_step_and_empty_store_raise_step_not_found(make_store):
