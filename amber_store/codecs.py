@@ -511,19 +511,29 @@ class BlockDeltaCodec(_CodedDelta):
                 out[k, : hi - lo] = x[lo:hi]
             return out.view(len(runs), -1, self.block)
 
-        changes, _, finite = _block_norms(blocked(v - b))
+        # Few passes and no fresh buffers beyond the change itself: this runs on the training
+        # host's CPU when there is no accelerator. The change's peak (NaN or inf if any element
+        # of it is) sizes the fit rule and detects the elements to escape.
+        changes = blocked(v - b)
+        low, high = torch.aminmax(changes, dim=-1)
+        peak = torch.maximum(high, low.neg_())
+        finite = None
+        if not bool(torch.isfinite(peak).all()):
+            finite = torch.isfinite(changes)
+            changes.masked_fill_(~finite, 0)
+            peak = changes.abs().amax(-1)
         rms = _block_norms(blocked(v))[1].div_(math.sqrt(self.block))
         e = torch.log2(rms.mul_(self.step)).round_().nan_to_num_(0, posinf=126, neginf=-126)
         # never so fine that a code leaves +-127 (a change far above the block's RMS value)
-        fit = torch.log2(changes.abs().amax(-1).div_(127)).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
+        fit = torch.log2(peak.div_(127)).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
         e = torch.maximum(e, fit).clamp_(-126, 126)  # 2^e and 2^-e normal: multiplying by them is exact
-        q = torch.round(changes * _pow2(-e, v.dtype).unsqueeze(-1)).clamp_(-127, 127)
+        q = changes.mul_(_pow2(-e, v.dtype).unsqueeze(-1)).round_().clamp_(-127, 127)
         codes = q.to(torch.int8)
         if finite is not None:
             codes.masked_fill_(~finite, ESCAPE)
         moved = q.mul_(_pow2(e, v.dtype).unsqueeze(-1))
         if whole:
-            return codes.view(-1), e.to(torch.int8), b + moved.view(-1)
+            return codes.view(-1), e.to(torch.int8), moved.view(-1).add_(b)
         flat_codes = torch.empty(v.shape, dtype=torch.int8, device=v.device)
         restored = torch.empty_like(v)
         for k, (lo, hi) in enumerate(runs):
@@ -576,16 +586,18 @@ class RatioDeltaCodec(_CodedDelta):
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]],
                   padded: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         # NaN, infinities and signs all surface as a non-finite or out-of-range q (or v <= 0)
-        q = torch.log(v / b).mul_(1 / math.log1p(self.step)).round_()
-        ok = (q.abs() <= 127) & (v > 0)
+        q = torch.div(v, b).log_().mul_(1 / math.log1p(self.step)).round_()
+        low, high = torch.aminmax(q)  # NaN if any element is
+        ok = None if bool(low >= -127) and bool(high <= 127) and bool(v.amin() > 0) else (q.abs() <= 127) & (v > 0)
         codes = q.nan_to_num_(0).clamp_(-127, 127).to(torch.int8)
-        if not bool(ok.all()):
+        if ok is not None:
             codes.masked_fill_(~ok & (v != b), ESCAPE).masked_fill_(~ok & (v == b), 0)
         return codes, None, self._restore(b, codes, None)
 
     def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None) -> torch.Tensor:
         factors = self._factors(base.dtype, base.device)
-        return base * factors[codes.to(torch.int64) + 128]
+        # (index_select with int32 indices: half the time of advanced indexing; the product is the same)
+        return factors.index_select(0, codes.to(torch.int32).add_(128)).mul_(base)
 
 
 @dataclass(frozen=True)

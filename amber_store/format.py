@@ -383,8 +383,12 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             return {"tensor": tensor(obj, path)}
         prefix = path + "/" if path else ""
         if isinstance(obj, dict):
-            items = [[k if isinstance(k, str) or type(k) is int else key(k, path), walk(v, prefix + _key_segment(k))]
-                     for k, v in obj.items()]
+            items = []
+            for k, v in obj.items():
+                plain = isinstance(k, str) or type(k) is int
+                sub = prefix + (escape_segment(k) if plain else _key_segment(k))
+                items.append([k if plain else key(k, path),
+                              {"tensor": tensor(v, sub)} if isinstance(v, torch.Tensor) else walk(v, sub)])
             if not isinstance(obj, OrderedDict):
                 return {"dict": items}
             # nn.Module.state_dict() is an OrderedDict whose _metadata (per-module versions)
