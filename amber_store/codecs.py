@@ -325,7 +325,8 @@ def dequantize(base: torch.Tensor, q: np.ndarray, region: tuple[slice, ...], dty
     torch_dtype = DTYPES[dtype]
     ct = _compute_dtype(torch_dtype)
     out = base.view(torch_dtype).to(ct, copy=True)  # never write into the caller's base
-    qt = torch.from_numpy(q if q.flags.c_contiguous else q.copy()).to(ct)  # (ascontiguousarray makes 0-d 1-d)
+    # (a copy of read-only codes: torch warns on them; ascontiguousarray would make 0-d 1-d)
+    qt = torch.from_numpy(q if q.flags.c_contiguous and q.flags.writeable else q.copy()).to(ct)
     for flat, _, local in region_chunks(region, shape, chunks):
         if scales[flat]:
             out[local] += qt[local] * scales[flat]

@@ -51,6 +51,7 @@ from zarr.core.sync import sync
 from . import format as fmt
 from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError
 from .format import Manifest, TensorEntry
+from .history import step_base
 from .pipeline import BaseCache, Written
 from .reader import ReadSession, gather
 from .store import Store, open
@@ -63,7 +64,7 @@ class _StepPlan:
     """What the coordinator decides for one save and sends to every rank in its plan."""
 
     step: int
-    base: int | None
+    bases: dict[str, int]  # by parent rule (History.base_steps); empty: a full step
     depth: int
     group: str
     attempt: str
@@ -144,10 +145,10 @@ class AmberStorageWriter(StorageWriter):
         if latest is not None and step <= latest:
             raise StepOrderError(f"{store.uri}: step {step} is not newer than the latest committed step {latest}")
         prev = store.manifest(latest) if latest is not None else None
-        base = sync(store.history.base_step(prev, store.base_policy, store.full_every, self.full))
+        bases = sync(store.history.base_steps(prev, store.base_policy, store.full_every, self.full))
         attempt = uuid.uuid4().hex[:8]
-        segment = [step] if base is None or prev is None else prev.segment + [step]
-        decision = _StepPlan(step, base, len(segment) - 1, fmt.step_group(step, attempt), attempt, latest, segment)
+        segment = prev.segment + [step] if bases and prev is not None else [step]
+        decision = _StepPlan(step, bases, len(segment) - 1, fmt.step_group(step, attempt), attempt, latest, segment)
         sync(store.open_group(decision.group, step))
         self._plan = decision  # finish() gets no plan: the coordinator remembers its decision
         return [dataclasses.replace(p, storage_data=decision) for p in plans]
@@ -156,17 +157,16 @@ class AmberStorageWriter(StorageWriter):
         decision: _StepPlan = plan.storage_data
         store = self._open()
         bases = _bases(store.uri)
-        base_m = store.manifest(decision.base) if decision.base is not None else None
         _promote(store, bases)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         writer = store.step_writer(decision.group, pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=bases.cache.recycle)
         keyed = {item_key(item.index, item.type): item for item in plan.items}
-        refs = store.bases_for(base_m, list(keyed), cache=bases.cache) if base_m is not None else {}
+        tensors = {key: _item_tensor(planner.resolve_data(item)) for key, item in keyed.items()}
+        codecs = store.codecs_for(tensors)
+        refs = store.tensor_bases(decision.bases, codecs, cache=bases.cache)
         try:
-            for key, item in keyed.items():
-                tensor = _item_tensor(planner.resolve_data(item))
-                codec = store.policy.for_tensor(key, fmt.dtype_name(tensor.dtype), tensor.numel())
-                writer.add(key, tensor, refs.get(key), codec)
+            for key, tensor in tensors.items():
+                writer.add(key, tensor, refs.get(key), codecs[key])
             written = writer.finish()
         finally:
             writer.close()
@@ -202,8 +202,8 @@ class AmberStorageWriter(StorageWriter):
         created = sync(store.seal(decision.group, decision.step, written))
         manifest = Manifest(
             step=decision.step,
-            kind="full" if decision.base is None else "delta",
-            base=decision.base,
+            kind="delta" if decision.bases else "full",
+            base=step_base(decision.bases, store.base_policy),
             depth=decision.depth,
             group=decision.group,
             tree={"dict": [[k, {"tensor": k}] for k in sorted(entries)]},

@@ -33,10 +33,10 @@ from zarr.core.sync import sync
 from . import format as fmt
 from . import export as export_
 from . import retention
-from .codecs import CodecPolicy, Compression, Policy
+from .codecs import CodecPolicy, Compression, DeltaCodec, Policy
 from .errors import AmberError, ConcurrentWriterError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError, StorageAccessError
 from .format import Manifest
-from .history import PARENTS, History, json_buffer
+from .history import BASE_POLICIES, PARENTS, History, json_buffer, parent_policies, parent_policy, step_base
 from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written
 from .reader import Reader, ReadSession, gather
@@ -51,7 +51,7 @@ AUTO_TIMEOUT_RATE = 20e6
 BACKPRESSURE_WARN_SECONDS = 0.05
 #: how long a failed save may spend deleting its own attempt's data
 DISCARD_TIMEOUT = 10.0
-BasePolicy = Literal["log", "chain", "full"]
+BasePolicy = Literal["auto", "log", "chain", "full"]
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,15 @@ class Store:
     Args:
         full_every: a segment holds one full step and then up to ``full_every - 1`` deltas; the
             next save is full again. Larger values store less.
-        base_policy: which earlier step of its segment a delta diffs against. ``"log"``
-            (default): skip-list bases (position ``p`` diffs against ``p`` with its lowest set
-            bit cleared), so reading any step touches at most ``log2(full_every) + 1`` objects
-            per tensor, for deltas a little larger than ``"chain"``'s. ``"chain"``: the previous
-            step (smallest deltas; reads walk up to ``full_every`` objects). ``"full"``: the
-            full step (reads touch two; deltas grow as training drifts).
+        base_policy: which earlier step of its segment a delta diffs against. ``"auto"``
+            (default): ``"full"`` for tensors with a lossless codec, ``"log"`` for lossy ones
+            (whose codes grow fastest with the distance to their base). ``"full"``: the full
+            step (reads touch two objects per tensor; deltas grow as training drifts: measured
+            on AdamW every 10 steps, 2.7% more bytes than ``"log"`` for 1.8x faster deepest
+            loads). ``"log"``: skip-list bases (position ``p`` diffs against ``p`` with its
+            lowest set bit cleared), so reading any step touches at most
+            ``log2(full_every) + 1`` objects. ``"chain"``: the previous step (smallest deltas;
+            reads walk up to ``full_every`` objects).
         chunk_bytes: size of one chunk (the unit of lazy reads and of parallel compression).
         pack_threshold: tensors smaller than this (bytes) are packed into one object per step.
         compressor, compression_level: blosc compressor and its level: ``"auto"`` (default:
@@ -120,7 +123,7 @@ class Store:
         *,
         mode: Mode = "a",
         full_every: int = 10,
-        base_policy: BasePolicy = "log",
+        base_policy: BasePolicy = "auto",
         chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
         pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD,
         compressor: str = "auto",
@@ -137,8 +140,8 @@ class Store:
     ) -> None:
         if full_every < 1:
             raise ValueError("full_every must be >= 1")
-        if base_policy not in PARENTS:
-            raise ValueError(f"base_policy must be one of {sorted(PARENTS)}, not {base_policy!r}")
+        if base_policy not in BASE_POLICIES:
+            raise ValueError(f"base_policy must be one of {sorted(BASE_POLICIES)}, not {base_policy!r}")
         if not (save_timeout in ("auto", None) or (isinstance(save_timeout, (int, float)) and save_timeout > 0)):
             raise ValueError(f"save_timeout must be 'auto', None or a positive number of seconds, not {save_timeout!r}")
         self._loc = location
@@ -386,10 +389,9 @@ class Store:
         if latest is not None and step <= latest:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the latest committed step {latest}")
         prev = await history.manifest(latest) if latest is not None else None
-        base_step = await history.base_step(prev, self.base_policy, self.full_every, full)
-        base = await history.manifest(base_step) if base_step is not None else None
+        bases = await history.base_steps(prev, self.base_policy, self.full_every, full)
         await self.open_group(group, step)
-        job = asyncio.ensure_future(asyncio.to_thread(self._write_tensors, group, step, tensors, base, deadline))
+        job = asyncio.ensure_future(asyncio.to_thread(self._write_tensors, group, step, tensors, bases, deadline))
         try:
             written = await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -401,11 +403,11 @@ class Store:
         if self._root_version != fmt.FORMAT_VERSION:
             await history.write_root()  # an older store now holds steps of this version
             self._root_version = fmt.FORMAT_VERSION
-        depth = 0 if base is None else prev.depth + 1  # type: ignore[union-attr]
+        depth = 0 if not bases else prev.depth + 1  # type: ignore[union-attr]
         manifest = Manifest(
             step=step,
-            kind="full" if base is None else "delta",
-            base=None if base is None else base.step,
+            kind="delta" if bases else "full",
+            base=step_base(bases, self.base_policy),
             depth=depth,
             group=group,
             tree=tree,
@@ -415,31 +417,49 @@ class Store:
             attempt=group.rsplit("-", 1)[1],
             writer=history.writer_id,
             packs=written.packs,
-            segment=[step] if base is None else prev.segment + [step],  # type: ignore[union-attr]
+            segment=prev.segment + [step] if bases else [step],  # type: ignore[union-attr]
             extra={"metrics": metrics} if metrics else {},
         )
         return manifest, latest, written.values
 
     def live_bases(self, m: Manifest) -> set[int]:
         """Steps of ``m``'s segment that a later save may diff against."""
-        parent = PARENTS[self.base_policy]
         horizon = 2 * max(self.full_every, m.depth + 2)
-        return {m.segment[q] for q in {parent(r) for r in range(m.depth + 1, horizon)} if 0 <= q <= m.depth}
+        parents = {PARENTS[p](r) for p in parent_policies(self.base_policy) for r in range(m.depth + 1, horizon)}
+        return {m.segment[q] for q in parents if 0 <= q <= m.depth}
 
     def _write_tensors(self, group: str, step: int, tensors: dict[str, torch.Tensor],
-                       base: Manifest | None, deadline: float | None = None) -> Written:
+                       bases: dict[str, int], deadline: float | None = None) -> Written:
         """Encode and write every tensor into ``group`` (on a worker thread, so the event loop
         stays free for the writes), giving up at ``deadline`` (``time.monotonic()``)."""
         writer = self.step_writer(group, recycle=self.bases.recycle, deadline=deadline)
-        refs = self.bases_for(base, list(tensors)) if base is not None else {}
+        codecs = self.codecs_for(tensors)
+        refs = self.tensor_bases(bases, codecs)
         try:
             items = tqdm(tensors.items(), desc=f"save {step}", unit="tensor", disable=not self.progress)
             for key, tensor in items:
-                codec = self.policy.for_tensor(key, fmt.dtype_name(tensor.dtype), tensor.numel())
-                writer.add(key, tensor, refs.get(key), codec)
+                writer.add(key, tensor, refs.get(key), codecs[key])
             return writer.finish()
         finally:
             writer.close()
+
+    def codecs_for(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, DeltaCodec]:
+        """The delta codec of each tensor under this store's codec policy."""
+        return {key: self.policy.for_tensor(key, fmt.dtype_name(t.dtype), t.numel()) for key, t in tensors.items()}
+
+    def tensor_bases(self, bases: dict[str, int], codecs: dict[str, DeltaCodec],
+                     cache: BaseCache | None = None) -> dict[str, Base | None]:
+        """Each tensor's base: the step its codec's parent rule picked in ``bases``
+        (:meth:`History.base_steps`; lossless and lossy tensors may differ under ``"auto"``)."""
+        keys: dict[int, list[str]] = {}
+        for key, codec in codecs.items():
+            base = bases.get(parent_policy(self.base_policy, codec.lossless))
+            if base is not None:
+                keys.setdefault(base, []).append(key)
+        refs: dict[str, Base | None] = {}
+        for base, some in keys.items():
+            refs.update(self.bases_for(self.manifest(base), some, cache))
+        return refs
 
     def step_writer(self, group: str, pack_name: str = fmt.PACK_PREFIX, **kwargs: Any) -> StepWriter:
         """A writer of tensors into the attempt group ``group`` with this store's options."""

@@ -2,8 +2,9 @@
 
 Two workloads: a GPT-like model with AdamW state (``--params`` millions of parameters, ~300
 tensors) and ``--small`` small tensors (50 MB in all). For each, a run of ``--full-every``
-checkpoints is written with the default ``log`` bases; every method is timed interleaved in one
-process (torch.save, amber full, amber delta, then again), medians of ``--repeats``; loads of the
+checkpoints is written with the default bases (``auto``: lossless deltas against the full
+step); every method is timed interleaved in one process (torch.save, amber full, amber delta,
+then again), medians of ``--repeats``; loads of the
 full step, a depth-1 step and the deepest step against torch.load of the same state from the page
 cache. Footprint: allocated bytes on disk (``du --block-size=1``) and files per step against
 torch.save files of every step. Also the ``save_async`` stall against a bare copy into reused
@@ -200,7 +201,8 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"# Layout: save/load speed and footprint (format 3)\n\n{machine()}; full_every={args.full_every}, "
-          f"base_policy=log, medians of {args.repeats} runs, interleaved.\n")
+          f"base_policy=auto (the default: these lossless tensors diff against the full step), medians of "
+          f"{args.repeats} runs, interleaved.\n")
     for name, r in results.items():
         mb = r["raw_bytes"] / 1e6
         print(f"## {name}: {mb:.0f} MB in {r['tensors']} tensors\n")

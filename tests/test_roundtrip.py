@@ -201,7 +201,7 @@ def test_chain_of_twenty_deltas_with_periodic_fulls_reads_every_step_bit_exact(m
 
 
 def test_log_bases_bound_every_read_to_log2_full_every_plus_one_objects(make_store):
-    store = make_store(full_every=16, pack_threshold=0)
+    store = make_store(full_every=16, pack_threshold=0, base_policy="log")
     w = torch.randn(256, 256)
     for step in range(16):
         w[step] += 1
@@ -210,6 +210,25 @@ def test_log_bases_bound_every_read_to_log2_full_every_plus_one_objects(make_sto
     assert depths == [bin(p).count("1") + 1 for p in range(16)] and max(depths) == 5
     assert [store.manifest(s).base for s in (1, 2, 3, 4, 6, 7, 8, 12, 15)] == [0, 0, 2, 0, 4, 6, 0, 8, 14]
     assert_bit_equal(make_store(mode="r").load(15)["w"].materialize(), w)
+
+
+def test_auto_bases_diff_lossless_tensors_against_the_full_step_and_lossy_ones_on_a_skip_list(make_store):
+    store = make_store(full_every=8, pack_threshold=0, codec=[("lossy", "quant8")])
+    assert store.base_policy == "auto"  # the default
+    g = torch.Generator().manual_seed(0)
+    state = {"exact": torch.randn(64, 64, generator=g), "lossy": torch.randn(64, 64, generator=g)}
+    for step in range(8):
+        for t in state.values():
+            t.add_(torch.randn(t.shape, generator=g) * 1e-2)
+        store.save(step, state)
+    m = store.manifest(7)
+    assert m.tensors["exact"].base == 0 and m.tensors["lossy"].base == 6
+    assert m.base == 0 and m.depth == 7
+    assert store.info(7)["tensors"]["exact"]["chain"] == [0, 7]
+    assert store.info(7)["tensors"]["lossy"]["chain"] == [0, 4, 6, 7]
+    got = make_store(mode="r").load(7, lazy=False)
+    assert_bit_equal(got["exact"], state["exact"])
+    assert (got["lossy"] - state["lossy"]).abs().max() < 0.05 * state["lossy"].abs().max()
 
 
 def test_base_policy_full_diffs_every_delta_against_the_last_full_step(make_store):
