@@ -32,8 +32,9 @@ PARENTS: dict[str, Callable[[int], int]] = {
     "log": lambda p: p & (p - 1),
 }
 #: ``base_policy="auto"``: lossless deltas against the full step (a read decodes two layers;
-#: measured on AdamW every 10 steps: 2.7% more bytes than ``log``, deepest loads 1.8x faster),
-#: lossy ones by skip list (their codes grow with the distance to the base).
+#: measured on AdamW every 10 steps, benchmarks/policies.py: 2.7% more bytes than ``log``,
+#: deepest loads 1.5x faster), lossy ones by skip list (their codes grow with the distance to
+#: the base).
 AUTO = {True: "full", False: "log"}
 BASE_POLICIES = ("auto", *PARENTS)
 

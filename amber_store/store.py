@@ -81,7 +81,7 @@ class Store:
             (default): ``"full"`` for tensors with a lossless codec, ``"log"`` for lossy ones
             (whose codes grow fastest with the distance to their base). ``"full"``: the full
             step (reads touch two objects per tensor; deltas grow as training drifts: measured
-            on AdamW every 10 steps, 2.7% more bytes than ``"log"`` for 1.8x faster deepest
+            on AdamW every 10 steps, 2.7% more bytes than ``"log"`` for 1.5x faster deepest
             loads). ``"log"``: skip-list bases (position ``p`` diffs against ``p`` with its
             lowest set bit cleared), so reading any step touches at most
             ``log2(full_every) + 1`` objects. ``"chain"``: the previous step (smallest deltas;

@@ -62,7 +62,7 @@ def main() -> None:
         data, recon = delta.data.reshape(-1), bits_to_numpy(delta.recon).reshape(-1)
         jobs = [codec_pool().submit(_delta_chunk, codec, data[a:b], None if delta.side is None else delta.side[k],
                                     recon[a:b], padded, compression, 4) for k, (a, b) in enumerate(runs)]
-        return sum(len(j.result()[0] or b"") for j in jobs)
+        return sum(sum(map(len, j.result()[0] or [])) for j in jobs)  # each chunk: its stored parts
 
     cases = {
         "copy (clone, memcpy)": lambda: value.clone(),

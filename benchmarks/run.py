@@ -5,7 +5,7 @@ prints a markdown report (kept in benchmarks/results/NAME.md) and writes its raw
 JSON; this script turns those into the plots and the summary, whose every figure is a ratio
 against a peer measured in the same run.
 
-    python benchmarks/run.py            # about 17 minutes on 2 cores
+    python benchmarks/run.py            # about 40 minutes on 2 cores
     python benchmarks/run.py --quick    # a few minutes, smaller workloads
 """
 
@@ -182,6 +182,7 @@ def main() -> None:
     sweep_md, sweep = run("sweep", "--sizes", *(["5", "12"] if args.quick else ["5", "12", "25", "50", "100"]))
     layout_md, layout = run("layout", *(["--params", "10", "--small", "500", "--policy-params", "5", "--repeats", "2"]
                                         if args.quick else ["--repeats", "2"]))
+    policies_md, _ = run("policies", *(["--checkpoints", "20", "--repeats", "3"] if args.quick else []))
     plot_training(training, RESULTS / "training.png", "GPT + AdamW, checkpoint every 10 steps")
     plot_training(frozen, RESULTS / "training-frozen.png", "fine-tuning: all but the last block frozen")
     plot_sweep(sweep, RESULTS / "sweep.png")
@@ -226,7 +227,9 @@ Where amber-store loses:
   {gpt['ratios']['amber save delta (durable=False)']:.2f}x). `save_async` hides it: {gpt['stall']['ratio']:.2f}x / {small['stall']['ratio']:.2f}x a bare copy.
 - **Load time.** `load(lazy=False)` of a full step takes {gpt['ratios']['amber load full']:.2f}x `torch.load` from the page
   cache, a depth-1 step {gpt['ratios']['amber load depth 1']:.2f}x, the deepest step of a `full_every=10` segment
-  ({gpt['footprint']['deepest chain']} layers with `log` bases) {gpt['ratios']['amber load deepest']:.2f}x (goal 3x): every layer is decompressed.
+  ({gpt['footprint']['deepest chain']} layers: the default `auto` bases diff lossless tensors against the full step) {gpt['ratios']['amber load deepest']:.2f}x (goal 3x):
+  every layer is decompressed (zstd, about 1.2 GB/s a core), so `log` bases (4 layers) load
+  the deepest step about 1.5x slower for 2.7% fewer bytes (base policies below).
 - **Lossless ratio on fp32 AdamW.** Every weight and both moments change at every step, so
   only sign, exponent and high mantissa bits repeat: XOR deltas compress to {1 / f['lossless']:.2f} of
   torch.save, not the {1 / GOALS['lossless']:.1f} the goal asks. Frozen tensors cost nothing (fine-tuning
@@ -240,6 +243,10 @@ Where amber-store loses:
 ## Format 3: save and load speed, footprint, base policies
 
 {layout_md}
+
+## Base policies on a real training trajectory
+
+{policies_md}
 
 ## Training trajectory
 
