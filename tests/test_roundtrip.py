@@ -231,6 +231,24 @@ def test_auto_bases_diff_lossless_tensors_against_the_full_step_and_lossy_ones_o
     assert (got["lossy"] - state["lossy"]).abs().max() < 0.05 * state["lossy"].abs().max()
 
 
+@pytest.mark.parametrize("first, then", [("log", "auto"), ("auto", "chain"), ("chain", "log")])
+def test_a_store_continued_under_another_base_policy_reads_every_step_bit_exact(local_store, first, then):
+    # base_policy is the writer's choice, not the format's: a run may resume with another one,
+    # mid-segment, and every step still reads back exactly (backend-independent: local only).
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 64, generator=g)
+    expected = {}
+    for step in range(12):
+        policy = first if step < 5 else then
+        w.add_(torch.randn(w.shape, generator=g) * 1e-3)
+        local_store(full_every=8, pack_threshold=0, base_policy=policy).save(step, {"w": w})
+        expected[step] = w.clone()
+    assert [local_store(mode="r").manifest(s).kind for s in range(12)] == ["full"] + ["delta"] * 7 + ["full"] + ["delta"] * 3
+    reader = local_store(mode="r")
+    for step, want in expected.items():
+        assert_bit_equal(reader.load(step, lazy=False)["w"], want)
+
+
 def test_base_policy_full_diffs_every_delta_against_the_last_full_step(make_store):
     store = make_store(full_every=4, base_policy="full")
     w = torch.zeros(100)
