@@ -431,17 +431,15 @@ class _CodedDelta(DeltaCodec):
         raise NotImplementedError
 
 
-def _block_norms(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(blocks with non-finite elements zeroed, each block's 2-norm, the finite mask or ``None``
-    when all are finite). The mask is only computed when a norm is not finite (a non-finite
-    element, or squares overflowing: then the norm is taken in float64)."""
+def _block_norms(blocks: torch.Tensor) -> torch.Tensor:
+    """Each block's 2-norm, non-finite elements counted as zero. Only when a norm is not finite
+    (a non-finite element, or squares overflowing) are they masked and the norms taken in
+    float64."""
     norm = torch.linalg.vector_norm(blocks, dim=-1)
     if bool(torch.isfinite(norm).all()):
-        return blocks, norm, None
-    finite = torch.isfinite(blocks)
-    blocks = blocks.where(finite, 0)
-    norm = torch.linalg.vector_norm(blocks.to(torch.float64), dim=-1).to(blocks.dtype)
-    return blocks, norm, None if bool(finite.all()) else finite
+        return norm
+    finite = blocks.where(torch.isfinite(blocks), 0)
+    return torch.linalg.vector_norm(finite.to(torch.float64), dim=-1).to(blocks.dtype)
 
 
 def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -523,7 +521,7 @@ class BlockDeltaCodec(_CodedDelta):
             finite = torch.isfinite(changes)
             changes.masked_fill_(~finite, 0)
             peak = changes.abs().amax(-1)
-        rms = _block_norms(blocked(v))[1].div_(math.sqrt(self.block))
+        rms = _block_norms(blocked(v)).div_(math.sqrt(self.block))
         e = torch.log2(rms.mul_(self.step)).round_().nan_to_num_(0, posinf=126, neginf=-126)
         # never so fine that a code leaves +-127 (a change far above the block's RMS value)
         fit = torch.log2(peak.div_(127)).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
