@@ -360,6 +360,9 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     dtypes = _torch_dtypes().by_dtype
     strided = torch.strided
 
+    def where(path: str) -> str:  # a node's path in error messages
+        return path or "<root>"
+
     def tensor(t: torch.Tensor, path: str) -> str:
         ptr = t.data_ptr()
         if ptr:
@@ -372,7 +375,7 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if t.dtype not in dtypes:
             dtype_name(t.dtype)  # raises, naming the supported dtypes
         if t.layout != strided:  # sparse, sparse CSR, mkldnn...
-            raise UnsupportedStateError(f"{path or '<root>'}: only strided (dense) tensors are supported")
+            raise UnsupportedStateError(f"{where(path)}: only strided (dense) tensors are supported")
         tensors[key] = t
         if ptr:
             at.setdefault(ptr, []).append((t, key))
@@ -387,6 +390,7 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             for k, v in obj.items():
                 plain = isinstance(k, str) or type(k) is int
                 sub = prefix + (escape_segment(k) if plain else _key_segment(k))
+                # (walk's tensor case inline: ~20% of flatten for thousands of tensors)
                 items.append([k if plain else key(k, path),
                               {"tensor": tensor(v, sub)} if isinstance(v, torch.Tensor) else walk(v, sub)])
             if not isinstance(obj, OrderedDict):
@@ -424,7 +428,7 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if isinstance(obj, torch.device):
             return {"device": str(obj)}
         raise UnsupportedStateError(
-            f"{path or '<root>'}: cannot store a {type(obj).__name__}; leaves must be tensors, numpy arrays or scalars, "
+            f"{where(path)}: cannot store a {type(obj).__name__}; leaves must be tensors, numpy arrays or scalars, "
             "int, float, str, bool, None, bytes, pathlib paths, torch.dtype, torch.device or torch.Size"
         )
 
@@ -432,14 +436,14 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         try:
             return _npy(array)
         except ValueError as e:  # object arrays need pickle
-            raise UnsupportedStateError(f"{path or '<root>'}: cannot store a numpy array of dtype {array.dtype} ({e})") from e
+            raise UnsupportedStateError(f"{where(path)}: cannot store a numpy array of dtype {array.dtype} ({e})") from e
 
     def key(k: Any, path: str) -> dict[str, Any]:
         def holds_tensor(o: Any) -> bool:
             return isinstance(o, torch.Tensor) or (isinstance(o, (tuple, frozenset)) and any(map(holds_tensor, o)))
 
         if holds_tensor(k):
-            raise UnsupportedStateError(f"{path or '<root>'}: dict key {k!r} holds a tensor")
+            raise UnsupportedStateError(f"{where(path)}: dict key {k!r} holds a tensor")
         return walk(k, "")
 
     return walk(state, ""), tensors
