@@ -27,7 +27,7 @@ import torch
 from zarr.core.sync import sync
 
 from . import format as fmt
-from .codecs import Compression, DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, codec_pool, scratch
+from .codecs import Compression, Delta, DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, codec_pool, scratch
 from .errors import AsyncSaveError
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, to_bits
 
@@ -208,21 +208,20 @@ class StepWriter:
         array = None if packed else f"{self._group}/{fmt.array_name(key)}"
         entry = TensorEntry(name, list(shape), list(chunks), encoding, None if base is None else base.step,  # type: ignore[arg-type]
                             array, [], nbytes, params=None if delta is None else delta.params)
-        host, side = None, None
+        host = None
         if delta is not None:
-            value, stored, side = delta.recon, delta.data, delta.side
+            value = delta.recon
         else:  # the raw bits on the host (a view for CPU tensors): XORed there, chunk by chunk
             bits = to_bits(tensor)
             host = bits_to_numpy(bits.to("cpu")).reshape(-1)
             value = self._recycle(key, bits)
             if value is None:
                 value = torch.empty(shape, dtype=bits.dtype)
-            stored = None
         self._out.values[key] = value
         if packed:
-            self._add_packed(key, entry, host, value, stored, side, base, codec)
+            self._add_packed(key, entry, host, value, delta, base, codec)
         else:
-            self._add_sharded(key, entry, host, value, stored, side, base, codec)
+            self._add_sharded(key, entry, host, value, delta, base, codec)
 
     def _same(self, key: str, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], base: Base,
               nbytes: int) -> None:
@@ -231,8 +230,9 @@ class StepWriter:
         self._out.values[key] = base.bits
 
     def _add_packed(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor,
-                    stored: np.ndarray | None, side: np.ndarray | None, base: Base | None, codec: DeltaCodec) -> None:
-        """A small tensor: its whole serialized delta (or value) joins the step's pack stream."""
+                    delta: Delta | None, base: Base | None, codec: DeltaCodec) -> None:
+        """A small tensor: its whole serialized delta (or value) joins the step's pack stream.
+        Either ``host`` (its raw bits, to XOR here) or ``delta`` (precomputed) is given."""
         if host is not None:  # lossless on the host: XOR here, copy into the new base
             v = host
             new = bits_to_numpy(value).reshape(-1)
@@ -241,11 +241,11 @@ class StepWriter:
             data = v if base is None else np.bitwise_xor(v, bits_to_numpy(base.bits).reshape(-1))
             payload = data.view(np.uint8) if data.any() else None
         else:
-            assert stored is not None
+            assert delta is not None
             recon = bits_to_numpy(value).reshape(-1)
             entry.crc32c = [crc32c.crc32c(recon)]
-            flat = stored.reshape(-1)
-            payload = codec.serialize(flat, None if side is None else side[0], recon) if flat.any() else None
+            flat, side = delta.data.reshape(-1), None if delta.side is None else delta.side[0]
+            payload = codec.serialize(flat, side, recon) if flat.any() else None
         if payload is None and base is not None:
             self._same(key, entry.dtype, tuple(entry.shape), tuple(entry.chunks), base, entry.nbytes)
             return
@@ -259,8 +259,7 @@ class StepWriter:
         self._out.entries[key] = entry
 
     def _add_sharded(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor,
-                     stored: np.ndarray | None, side: np.ndarray | None, base: Base | None,
-                     codec: DeltaCodec) -> None:
+                     delta: Delta | None, base: Base | None, codec: DeltaCodec) -> None:
         shape, chunks = tuple(entry.shape), tuple(entry.chunks)
         runs = fmt.chunk_runs(shape, chunks)
         padded = int(np.prod(chunks))
@@ -273,8 +272,8 @@ class StepWriter:
             jobs = [self._pool.submit(_lossless_chunk, src[a:b], None if ref is None else ref[a:b], crc, new[a:b],
                                       padded, self._compression, width) for (a, b), crc in zip(runs, crcs)]
         else:
-            assert stored is not None
-            data = stored.reshape(-1)
+            assert delta is not None
+            data, side = delta.data.reshape(-1), delta.side
             jobs = [self._pool.submit(_delta_chunk, codec, data[a:b], None if side is None else side[k], new[a:b],
                                       padded, self._compression, width) for k, (a, b) in enumerate(runs)]
         inner = self._compression.inner_codecs(entry.dtype, None if base is None else codec)
