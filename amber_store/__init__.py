@@ -29,7 +29,8 @@ from .errors import (
 # The rest is imported on first use (PEP 562), so that `amber-store --help` and the error types
 # do not pay for importing torch.
 _LAZY = {
-    "BlockDeltaCodec": "codecs", "DeltaCodec": "codecs", "Policy": "codecs", "RatioDeltaCodec": "codecs", "QuantizedDeltaCodec": "codecs", "SparseDeltaCodec": "codecs",
+    "BlockDeltaCodec": "codecs", "DeltaCodec": "codecs", "Policy": "codecs", "RatioDeltaCodec": "codecs",
+    "QuantizedDeltaCodec": "codecs", "SparseDeltaCodec": "codecs",
     "XorDeltaCodec": "codecs", "FORMAT_VERSION": "format", "LazyStateDict": "lazy", "LazyTensor": "lazy",
     "materialize": "lazy", "CommitInfo": "store", "Store": "store", "open": "store",
     "CheckpointManager": "manager",
