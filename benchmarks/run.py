@@ -182,7 +182,7 @@ def main() -> None:
     sweep_md, sweep = run("sweep", "--sizes", *(["5", "12"] if args.quick else ["5", "12", "25", "50", "100"]))
     layout_md, layout = run("layout", *(["--params", "10", "--small", "500", "--policy-params", "5", "--repeats", "2"]
                                         if args.quick else ["--repeats", "2"]))
-    policies_md, _ = run("policies", *(["--checkpoints", "20", "--repeats", "3"] if args.quick else []))
+    policies_md, policies = run("policies", *(["--checkpoints", "20", "--repeats", "3"] if args.quick else []))
     plot_training(training, RESULTS / "training.png", "GPT + AdamW, checkpoint every 10 steps")
     plot_training(frozen, RESULTS / "training-frozen.png", "fine-tuning: all but the last block frozen")
     plot_sweep(sweep, RESULTS / "sweep.png")
@@ -197,6 +197,7 @@ def main() -> None:
     best = max(within, key=lambda pt: pt["ratio"], default=preset)
     noise = max(abs(x) for x in lossy_data["noise_floor_pct"])
     gpt, small = layout["results"]["gpt"], layout["results"]["small"]
+    pol = policies["policies"]
     elapsed = time.perf_counter() - started
 
     summary = f"""# Benchmark results
@@ -228,8 +229,8 @@ Where amber-store loses:
 - **Load time.** `load(lazy=False)` of a full step takes {gpt['ratios']['amber load full']:.2f}x `torch.load` from the page
   cache, a depth-1 step {gpt['ratios']['amber load depth 1']:.2f}x, the deepest step of a `full_every=10` segment
   ({gpt['footprint']['deepest chain']} layers: the default `auto` bases diff lossless tensors against the full step) {gpt['ratios']['amber load deepest']:.2f}x (goal 3x):
-  every layer is decompressed (zstd, about 1.2 GB/s a core), so `log` bases (4 layers) load
-  the deepest step about 1.5x slower for 2.7% fewer bytes (base policies below).
+  every layer is decompressed, so `log` bases ({pol['log']['deepest chain']:.0f} layers) load the deepest step of a real
+  training run {pol['log']['load s'] / pol['full']['load s']:.1f}x slower for {(1 - pol['log']['stored'] / pol['full']['stored']) * 100:.1f}% fewer bytes (base policies below).
 - **Lossless ratio on fp32 AdamW.** Every weight and both moments change at every step, so
   only sign, exponent and high mantissa bits repeat: XOR deltas compress to {1 / f['lossless']:.2f} of
   torch.save, not the {1 / GOALS['lossless']:.1f} the goal asks. Frozen tensors cost nothing (fine-tuning
