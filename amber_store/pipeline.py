@@ -442,38 +442,110 @@ class Snapshots:
         if where not in ("host", "device"):
             raise ValueError(f"snapshot must be 'host' or 'device', not {where!r}")
         self.where = where
-        self._free: list[dict[str, torch.Tensor]] = []
+        self._free: list[_Buffers] = []
+        self._lent: dict[int, _Buffers] = {}
         self._lock = threading.Lock()
 
     def take(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy ``tensors`` into buffers of a previous snapshot when the state's layout (keys,
+        shapes, dtypes, devices) is unchanged, else into new ones; the result is lent until
+        :meth:`give_back`."""
+        # Per-tensor Python work is most of the stall for many small tensors: the layout is
+        # compared as whole lists, and the per-tensor loop runs only when it changed.
+        keys, values = list(tensors), list(tensors.values())
+        layout = ([t.shape for t in values], [t.dtype for t in values], [t.device for t in values])
         with self._lock:
-            buffers = self._free.pop() if self._free else {}
-        out = {}
-        on_device = self.where == "device"
-        accelerators = set()
-        # Per-tensor Python work is most of the stall for many small tensors: keep this loop lean.
-        for key, t in tensors.items():
-            buf = buffers.get(key)
-            if t.is_cpu:
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or not buf.is_cpu:
-                    buf = torch.empty(t.shape, dtype=t.dtype)
-            else:
-                accelerators.add(t.device)
-                device = t.device if on_device else torch.device("cpu")
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != device:
-                    buf = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=not on_device)
-            out[key] = buf
-        # One batched call: for many small tensors the per-tensor dispatch dominated the copy.
-        # Copies from an accelerator are asynchronous (non_blocking), hence the synchronize below.
+            buffers = self._free.pop() if self._free else None
+        if buffers is None or buffers.keys != keys or buffers.layout != layout:
+            buffers = self._buffers(keys, values, layout, buffers.out if buffers is not None else {})
+        # Batched calls: per-tensor dispatch dominated the copy of small tensors. Copies from an
+        # accelerator are asynchronous (non_blocking), hence the synchronize below.
         with torch.no_grad():
-            torch._foreach_copy_(list(out.values()), list(tensors.values()), non_blocking=True)
-        for device in accelerators:
+            helpers = _copy_in_parallel(buffers.small, [values[i] for i in buffers.small_at])
+            if buffers.rest:
+                torch._foreach_copy_(buffers.rest, [values[i] for i in buffers.rest_at], non_blocking=True)
+        for helper in helpers:
+            helper.result()
+        for device in buffers.accelerators:
             getattr(torch, device.type).synchronize(device)  # the copies above were asynchronous
-        return out
-
-    def give_back(self, buffers: dict[str, torch.Tensor]) -> None:
         with self._lock:
-            self._free.append(buffers)
+            self._lent[id(buffers.out)] = buffers
+        return buffers.out
+
+    def give_back(self, snapshot: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._free.append(self._lent.pop(id(snapshot)))
+
+    def _buffers(self, keys: list[str], values: list[torch.Tensor], layout: tuple[list, list, list],
+                 old: dict[str, torch.Tensor]) -> _Buffers:
+        """Buffers for a new layout, reusing those of ``old`` whose tensor kept its shape, dtype
+        and device."""
+        on_device = self.where == "device"
+        new = _Buffers(keys, layout, {})
+        for i, (key, t) in enumerate(zip(keys, values)):
+            device = t.device if t.is_cpu or on_device else torch.device("cpu")
+            buf = old.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != device:
+                buf = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=not (t.is_cpu or on_device))
+            new.out[key] = buf
+            if not t.is_cpu:
+                new.accelerators.add(t.device)
+            # torch copies a tensor below its grain on one thread: those go to helper threads
+            small = t.is_cpu and t.numel() < _COPY_GRAIN
+            (new.small if small else new.rest).append(buf)
+            (new.small_at if small else new.rest_at).append(i)
+        return new
+
+
+@dataclass(eq=False)
+class _Buffers:
+    """Snapshot buffers for one layout of a state, and how its tensors are copied into them."""
+
+    keys: list[str]
+    layout: tuple[list, list, list]  # shapes, dtypes and devices of the tensors, in key order
+    out: dict[str, torch.Tensor]
+    small: list[torch.Tensor] = field(default_factory=list)  # buffers copied on helper threads
+    small_at: list[int] = field(default_factory=list)  # their tensors' positions
+    rest: list[torch.Tensor] = field(default_factory=list)
+    rest_at: list[int] = field(default_factory=list)
+    accelerators: set[torch.device] = field(default_factory=set)
+
+
+_COPY_GRAIN = 32768  # torch's intra-op grain (elements): smaller copies run on one thread
+_COPY_BATCH = 64  # below this many small tensors, a helper thread costs more than it saves
+_COPIERS: ThreadPoolExecutor | None = None
+_COPIERS_LOCK = threading.Lock()
+
+
+def _copy_in_parallel(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[Future[None]]:
+    """Start copying CPU ``tensors`` into ``buffers`` in one part per intra-op thread, on helper
+    threads of their own (not the codec pool, which a previous save may keep busy); returns
+    their futures. Measured on 2 cores: 2,000 tensors of 25 KB copy in ~0.7x the time of one
+    batched call. The parts are sliced here, not on the helpers: a helper waiting for the GIL
+    while this thread runs Python would wait out the interpreter's switch interval (5 ms)."""
+    global _COPIERS
+    parts = min(torch.get_num_threads(), len(tensors) // _COPY_BATCH)
+    if parts < 2:
+        if tensors:
+            _copy(buffers, tensors)
+        return []
+    with _COPIERS_LOCK:
+        if _COPIERS is None:
+            _COPIERS = ThreadPoolExecutor(max_workers=parts, thread_name_prefix="amber-snapshot")
+    sizes = [t.numel() for t in tensors]
+    total, bounds, acc = sum(sizes), [0], 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if acc * parts >= total * len(bounds) and len(bounds) < parts:
+            bounds.append(i + 1)
+    bounds.append(len(tensors))
+    slices = [(buffers[lo:hi], tensors[lo:hi]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    return [_COPIERS.submit(_copy, *part) for part in slices]
+
+
+def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    with torch.no_grad():  # grad mode is per thread; parameters must not be recorded
+        torch._foreach_copy_(buffers, tensors)
 
 
 class Background:

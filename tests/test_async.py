@@ -54,10 +54,11 @@ def test_save_async_returns_before_the_writes_finish(tmp_path):
 
 
 @pytest.mark.parametrize("snapshot", ["host", "device"])
-def test_tensors_mutated_right_after_save_async_do_not_leak_into_the_step(tmp_path, snapshot):
+@pytest.mark.parametrize("n", [4, 300])  # 300 small tensors: copied on helper threads
+def test_tensors_mutated_right_after_save_async_do_not_leak_into_the_step(tmp_path, snapshot, n):
     slow = SlowStore(LocalStore(tmp_path / "ckpt"))
     store = amber.open(slow, snapshot=snapshot)
-    live = state(2)
+    live = state(2, n)
     expected = {k: v.clone() for k, v in live.items()}
     slow.gate.clear()  # hold the writes until the caller has scribbled over its tensors
     fut = store.save_async(1, live)
@@ -69,17 +70,51 @@ def test_tensors_mutated_right_after_save_async_do_not_leak_into_the_step(tmp_pa
 
 
 @pytest.mark.parametrize("snapshot", ["host", "device"])
-def test_parameters_that_require_grad_are_snapshotted_without_autograd(tmp_path, snapshot):
-    model = torch.nn.Linear(8, 4)
+@pytest.mark.parametrize("layers", [1, 150])  # 300 parameters: copied on helper threads
+def test_parameters_that_require_grad_are_snapshotted_without_autograd(tmp_path, snapshot, layers):
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(layers)))
     store = amber.open(tmp_path / "ckpt", snapshot=snapshot)
     params = dict(model.named_parameters())  # requires_grad, not state_dict()'s detached views
     store.save_async(1, params).result(timeout=60)
     with torch.no_grad():
-        model.weight.add_(1.0)
+        model[0].weight.add_(1.0)
     store.save_async(2, params).result(timeout=60)
     got = store.load(2, lazy=False)
-    assert_bit_equal(got["weight"], model.weight.detach())
-    assert not got["weight"].requires_grad and model.weight.grad is None
+    assert_bit_equal(got["0.weight"], model[0].weight.detach())
+    assert not any(t.requires_grad for t in got.values()) and model[0].weight.grad is None
+
+
+def test_snapshot_buffers_are_reused_while_the_layout_holds_and_replaced_where_it_changes():
+    from amber_store.pipeline import Snapshots
+
+    snapshots = Snapshots()
+    live = state(3, 300)
+    first = snapshots.take(live)
+    addresses = {k: v.data_ptr() for k, v in first.items()}
+    snapshots.give_back(first)
+    live["t0"].add_(1)
+    again = snapshots.take(live)
+    assert {k: v.data_ptr() for k, v in again.items()} == addresses
+    assert_tree_bit_equal(again, live)
+    snapshots.give_back(again)
+    # one tensor changes shape, one dtype, one key is new and one is gone: each is still copied exactly
+    live["t1"] = torch.randn(3, 5)
+    live["t2"] = live["t2"].double()
+    live["t300"] = torch.arange(7)
+    del live["t3"]
+    changed = snapshots.take(live)
+    assert_tree_bit_equal(changed, live)
+    assert changed["t4"].data_ptr() == addresses["t4"]  # unchanged tensors keep their buffers
+    assert all(changed[k].data_ptr() != live[k].data_ptr() for k in live)
+
+
+def test_snapshots_of_parameters_record_no_autograd_history_on_any_thread():
+    from amber_store.pipeline import Snapshots
+
+    params = {f"p{i}": torch.nn.Parameter(torch.randn(16)) for i in range(300)}  # helper threads copy these
+    taken = Snapshots().take(params)
+    assert_tree_bit_equal(taken, {k: p.detach() for k, p in params.items()})
+    assert not any(t.requires_grad or t.grad_fn is not None for t in taken.values())
 
 
 @pytest.mark.parametrize("max_pending", [1, 2])
