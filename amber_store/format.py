@@ -382,6 +382,12 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return key
 
     def walk(obj: Any, path: str) -> dict[str, Any]:
+        # exact scalar types first: an optimizer's param_groups hold one int leaf per parameter
+        kind = type(obj)
+        if kind is int or kind is str or kind is bool or obj is None:
+            return {"value": obj}
+        if kind is float:
+            return {"float": obj.hex()}
         if isinstance(obj, torch.Tensor):
             return {"tensor": tensor(obj, path)}
         prefix = path + "/" if path else ""

@@ -12,6 +12,7 @@ Run one by hand: ``python -m backends.s3servers --bucket amber`` (Ctrl-C stops i
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -27,6 +28,21 @@ from typing import Any
 
 ACCESS_KEY = "amber-test-key"
 SECRET_KEY = "amber-test-secret"
+
+
+def _die_with_parent(parent: int) -> Any:
+    """On Linux, a ``preexec_fn`` that has the kernel SIGKILL the server when the thread that
+    started it dies, even by SIGKILL (a test run killed hard must not leave servers behind: its
+    own session keeps the server out of the terminal's Ctrl-C). Elsewhere ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+
+    return arm
 
 
 def free_ports(n: int) -> list[int]:
@@ -112,7 +128,8 @@ class S3Server(S3Endpoint):
         log = open(self.data_dir / f"{self.name}.log", "ab")
         with log:
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent(os.getpid()))
         self._wait_ready()
         return self
 

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import wait
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from backends.s3servers import RcloneS3, free_port
 from conftest import BUCKET, assert_tree_bit_equal, save_at_once
 
 pytestmark = pytest.mark.s3
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -164,6 +166,33 @@ def test_a_server_that_ignores_conditional_writes_is_refused_for_writing_unless_
             assert_tree_bit_equal(reader.load(1, lazy=False), s)
         with pytest.raises(amber.UnsafeStorageError):
             amber.open(uri, opts)  # the verdict is remembered per endpoint, and still no
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_test_run_killed_hard_leaves_no_server_behind():
+    code = ("import sys, time\n"
+            "from backends.s3servers import SeaweedFS\n"
+            "server = SeaweedFS().start()\n"
+            "print(server.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    pid = int(run.stdout.readline())
+    assert alive(pid)
+    run.kill()  # SIGKILL: no atexit, no fixture teardown
+    run.wait()
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), f"the server (pid {pid}) outlived the process that started it"
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie waiting for a reaper (PID 1 here may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_stores_never_closed_leave_no_open_connections_at_exit(s3_server, s3_uri):
