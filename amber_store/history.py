@@ -17,7 +17,8 @@ from zarr.abc.store import Store as ZarrStore
 from zarr.core.buffer import Buffer, default_buffer_prototype
 
 from . import format as fmt
-from .errors import ConcurrentWriterError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError, StepNotFoundError
+from .errors import (ConcurrentWriterError, CorruptDataError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError,
+                     StepNotFoundError, StorageAccessError)
 from .format import Manifest, TensorEntry
 from .uri import Location, footprint, put_atomic, put_if_absent, storage_errors
 
@@ -135,7 +136,12 @@ class History:
             known = await self.steps()
             hint = f"committed steps: {known[:5]}{'...' if len(known) > 5 else ''}" if known else "the store is empty"
             raise StepNotFoundError(f"{self.uri}: step {step} is not committed ({hint})")
-        m = Manifest.from_json(raw.to_bytes())
+        data = raw.to_bytes()
+        try:
+            m = Manifest.from_json(data)
+        except (ValueError, KeyError, TypeError) as e:  # an empty or truncated commit object
+            raise CorruptDataError(f"{self.uri}: the manifest of step {step} ({fmt.commit_key(step)}, "
+                                   f"{len(data)} bytes) is unreadable: {type(e).__name__}: {e}", step=step) from None
         self.check_version(m.format_version)
         return m
 
@@ -209,7 +215,15 @@ class History:
                 f"{manifest.step} was being saved; this save was not committed"
             )
         key = fmt.commit_key(manifest.step)
-        if not await put_if_absent(self.loc, key, manifest.to_json()) and not await self._is_ours(key, manifest):
+        try:
+            created = await put_if_absent(self.loc, key, manifest.to_json())
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            raise StorageAccessError(
+                f"{self.uri}: the commit of step {manifest.step} got no answer in time: it may or may not "
+                "have landed (then the step is there, complete, and this writer's next save "
+                "adopts it); earlier steps are untouched"
+            ) from e
+        if not created and not await self._is_ours(key, manifest):
             raise ConcurrentWriterError(
                 f"{self.uri}: another writer committed step {manifest.step} first; this save "
                 f"(attempt {manifest.attempt}) was not committed and its data is orphaned"

@@ -110,7 +110,8 @@ class Store:
             it fails with :class:`StorageAccessError` (nothing committed; the next save may go
             on), so a hung storage server cannot hang training. ``"auto"`` (default): 300 s plus
             1 s per 20 MB of state; ``None``: no deadline. Every S3 request is bounded as well
-            (:data:`amber_store.uri.S3_TIMEOUTS`).
+            (:data:`amber_store.uri.S3_TIMEOUTS`), the commit by
+            :data:`amber_store.uri.S3_PUT_TIMEOUT`.
         single_writer: on S3, skip the check at ``open`` that the server honours conditional
             writes (``If-None-Match``), which keep two writers from both committing one step.
             Set it only for a server without them (rclone, MinIO before late 2024) and a store

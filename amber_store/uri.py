@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import base64
+import hashlib
 import mmap
 import os
 import threading
@@ -39,14 +41,18 @@ _MEMORY: dict[str, dict[str, Buffer]] = {}
 _MEMORY_LOCK = threading.Lock()
 
 #: Defaults for every S3 request (botocore ``Config`` keys; ``storage_options["config_kwargs"]``
-#: overrides them). A read from a server that stops answering fails after at most
-#: ``S3_RETRIES * max_attempts * read_timeout`` (90 s) instead of never; a save has its own,
-#: overall deadline on top (``Store(save_timeout=...)``). ``read_timeout`` bounds the silence
-#: between bytes, not a whole transfer.
+#: overrides them). A read from a server that stops answering fails after its attempts
+#: (``S3_RETRIES`` x ``max_attempts`` x ``read_timeout`` plus back-off: ~130 s measured) instead
+#: of never; a save has its own, overall deadline on top (``Store(save_timeout=...)``).
+#: ``read_timeout`` bounds the silence between bytes, not a whole transfer.
 S3_TIMEOUTS: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 15,
                                "retries": {"max_attempts": 3, "mode": "standard"}}
 #: s3fs's own attempts at a request that timed out or lost its connection, around botocore's.
 S3_RETRIES = 2
+#: ``read_timeout`` does not bound a PUT: measured on SeaweedFS stopped by SIGSTOP, GETs and
+#: lists failed after ~130 s, a PUT still waited after 400 s. Metadata PUTs outside a save's
+#: deadline (commits, pins, retention's folds) are small, and get this bound of their own.
+S3_PUT_TIMEOUT = 60.0
 
 # Whether each S3 endpoint enforces If-None-Match (checked once per process).
 _CONDITIONAL: dict[str, bool] = {}
@@ -235,7 +241,8 @@ async def put_if_absent(loc: Location, key: str, data: bytes) -> bool:
         return await asyncio.to_thread(_link_into_place, Path(loc.path) / key, data)
     if loc.scheme == "s3":
         try:
-            await loc.fs._pipe_file(f"{loc.path}/{key}", data, mode="create")
+            await asyncio.wait_for(loc.fs._pipe_file(f"{loc.path}/{key}", data, mode="create", ContentMD5=_md5(data)),
+                                   S3_PUT_TIMEOUT)
         except FileExistsError:
             return False
         except OSError as e:
@@ -263,8 +270,16 @@ async def put_atomic(loc: Location, key: str, data: bytes) -> None:
     """Create or replace ``key``; readers see the old object or the new one, never a mix."""
     if loc.scheme == "file":
         await asyncio.to_thread(replace_file, Path(loc.path) / key, data)
-    else:  # an S3 PUT, and a memory store's set, replace an object in one step
+    elif loc.scheme == "s3":  # a PUT replaces an object in one step
+        await asyncio.wait_for(loc.fs._pipe_file(f"{loc.path}/{key}", data, ContentMD5=_md5(data)), S3_PUT_TIMEOUT)
+    else:
         await loc.store.set(key, default_buffer_prototype().buffer.from_bytes(data))
+
+
+def _md5(data: bytes) -> str:
+    """``Content-MD5`` of a metadata PUT: the server refuses a body that arrived incomplete
+    (SeaweedFS, MinIO and AWS S3 check it) instead of storing a truncated commit."""
+    return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
 
 
 async def make_durable(loc: Location, keys: list[str]) -> None:
@@ -392,6 +407,13 @@ async def probe(loc: Location) -> None:
         raise StorageAccessError(f"{loc.uri}: storage not usable: {_reason(e)}") from None
     finally:
         if getattr(loc.fs, "_s3", None) is not None:
+            # botocore asks for "Expect: 100-continue" on every PUT, and aiohttp waits for that
+            # interim answer with no timeout: a PUT to a hung server waited 400 s and more (GETs
+            # fail after their read timeouts), and once abandoned SeaweedFS stored an empty
+            # object. Without it a PUT sends its body at once and read_timeout bounds the wait.
+            from botocore.handlers import add_expect_header
+
+            loc.fs._s3.meta.events.unregister("before-call.s3", add_expect_header)
             # Close the client's connections when the filesystem goes, or at exit: aiohttp
             # warns about every session still open then.
             loop = asyncio.get_running_loop()

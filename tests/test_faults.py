@@ -111,6 +111,19 @@ def test_a_missing_object_is_reported_as_corruption(local_store, tmp_path, pack_
         local_store(mode="r").load(1, lazy=False)
 
 
+@pytest.mark.parametrize("damage", [b"", b'{"step": 2, "tens'])
+def test_an_empty_or_truncated_commit_object_is_reported_as_corruption_of_its_step(local_store, tmp_path, damage):
+    store = local_store()
+    store.save(1, state(0))
+    store.save(2, state(1))
+    (tmp_path / "ckpt" / fmt.commit_key(2)).write_bytes(damage)
+    reader = local_store(mode="r")
+    with pytest.raises(amber.CorruptDataError, match=rf"manifest of step 2 .*{len(damage)} bytes\) is unreadable") as e:
+        reader.load(2)
+    assert e.value.step == 2
+    assert_tree_bit_equal(reader.load(1, lazy=False), state(0))  # the other steps still read
+
+
 def test_large_local_objects_are_read_mapped_and_a_truncated_one_is_reported_as_corruption(local_store, tmp_path):
     store = local_store(pack_threshold=0, chunk_bytes=64 << 10)
     w = torch.randn(1024, 1024)  # a 4 MiB object: above MAP_MIN_BYTES
@@ -335,14 +348,14 @@ def test_a_412_without_a_condition_in_its_body_means_the_commit_object_exists():
     from amber_store.uri import Location
 
     class LosingS3:
-        async def _pipe_file(self, path, data, mode):
+        async def _pipe_file(self, path, data, mode, **kwargs):
             error = ClientError({"Error": {"Code": "PreconditionFailed", "Message": "At least one of the "
                                            "pre-conditions you specified did not hold"},
                                  "ResponseMetadata": {"HTTPStatusCode": 412}}, "PutObject")
             raise OSError(22, "At least one of the pre-conditions you specified did not hold") from error
 
     class BrokenS3:
-        async def _pipe_file(self, path, data, mode):
+        async def _pipe_file(self, path, data, mode, **kwargs):
             raise OSError(5, "connection reset")
 
     assert asyncio.run(put_if_absent(Location(None, "s3://b/x", "s3", LosingS3(), "b/x"), "k", b"m")) is False

@@ -21,6 +21,7 @@ import torch
 
 import amber_store as amber
 from amber_store import history, pipeline
+from amber_store import uri as amber_uri
 from backends.s3servers import RcloneS3, free_port
 from conftest import BUCKET, assert_tree_bit_equal, save_at_once
 
@@ -150,6 +151,33 @@ def test_a_commit_whose_answer_was_lost_and_whose_retry_finds_its_own_manifest_s
     assert store.save(1, s1).step == 1
     assert retried and "commits/" in retried[0]
     assert_tree_bit_equal(amber.open(s3_uri, opts, mode="r").load(1, lazy=False), s1)
+
+
+def test_a_commit_to_a_server_that_stops_answering_fails_in_bounded_time_and_the_next_save_goes_on(
+        own_s3_server, s3_uri, monkeypatch):
+    opts = own_s3_server.storage_options()
+    store = amber.open(s3_uri, opts)
+    store.save(1, state(1))
+    real = history.put_if_absent
+
+    async def freeze_first(*args, **kwargs):  # the server hangs just as the commit is sent
+        own_s3_server.freeze()
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(history, "put_if_absent", freeze_first)
+    monkeypatch.setattr(amber_uri, "S3_PUT_TIMEOUT", 2.0)  # a PUT gets no read timeout from botocore
+    t0 = time.monotonic()
+    with pytest.raises(amber.StorageAccessError, match=r"commit of step 2 got no answer in time: it may or may not "
+                                                       r"have landed"):
+        store.save(2, state(2))
+    assert time.monotonic() - t0 < 30
+    own_s3_server.thaw()
+    monkeypatch.setattr(history, "put_if_absent", real)
+    store.save(3, state(3))
+    reader = amber.open(s3_uri, opts, mode="r")
+    assert reader.steps() in ([1, 3], [1, 2, 3])  # step 2 either never landed or landed whole
+    for step in reader.steps():
+        assert_tree_bit_equal(reader.load(step, lazy=False), state(step))
 
 
 def test_a_server_that_ignores_conditional_writes_is_refused_for_writing_unless_single_writer():
