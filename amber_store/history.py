@@ -17,6 +17,7 @@ from zarr.abc.store import Store as ZarrStore
 from zarr.core.buffer import Buffer, default_buffer_prototype
 
 from . import format as fmt
+from . import uri
 from .errors import (ConcurrentWriterError, CorruptDataError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError,
                      StepNotFoundError, StorageAccessError)
 from .format import Manifest, TensorEntry
@@ -208,28 +209,32 @@ class History:
 
     async def commit(self, manifest: Manifest, latest: int | None) -> None:
         """Create the manifest exclusively: the commit point. ``latest`` is the newest step the
-        writer saw when it began; a newer one now means another writer interleaved."""
-        if (now := (await self.steps() or [None])[-1]) != latest:
-            raise ConcurrentWriterError(
-                f"{self.uri}: step {now} was committed by another writer while step "
-                f"{manifest.step} was being saved; this save was not committed"
-            )
-        key = fmt.commit_key(manifest.step)
+        writer saw when it began; a newer one now means another writer interleaved. On S3 the
+        commit gives up after :data:`~amber_store.uri.S3_PUT_TIMEOUT`, its outcome unknown."""
+        create = self._create(manifest, latest)
         try:
-            created = await put_if_absent(self.loc, key, manifest.to_json())
+            await (asyncio.wait_for(create, uri.S3_PUT_TIMEOUT) if self.loc.scheme == "s3" else create)
         except (TimeoutError, asyncio.TimeoutError) as e:
             raise StorageAccessError(
                 f"{self.uri}: the commit of step {manifest.step} got no answer in time: it may or may not "
                 "have landed (then the step is there, complete, and this writer's next save "
                 "adopts it); earlier steps are untouched"
             ) from e
-        if not created and not await self._is_ours(key, manifest):
+        self.remember(manifest)
+        self.last_commit = manifest.step
+
+    async def _create(self, manifest: Manifest, latest: int | None) -> None:
+        if (now := (await self.steps() or [None])[-1]) != latest:
+            raise ConcurrentWriterError(
+                f"{self.uri}: step {now} was committed by another writer while step "
+                f"{manifest.step} was being saved; this save was not committed"
+            )
+        key = fmt.commit_key(manifest.step)
+        if not await put_if_absent(self.loc, key, manifest.to_json()) and not await self._is_ours(key, manifest):
             raise ConcurrentWriterError(
                 f"{self.uri}: another writer committed step {manifest.step} first; this save "
                 f"(attempt {manifest.attempt}) was not committed and its data is orphaned"
             )
-        self.remember(manifest)
-        self.last_commit = manifest.step
 
     async def _is_ours(self, key: str, manifest: Manifest) -> bool:
         """Whether an existing commit object is this very attempt (a retried request that had

@@ -397,8 +397,11 @@ class Store:
             written = await asyncio.shield(job)
         except asyncio.CancelledError:
             # The deadline passed: the writer thread stops at the same deadline; wait for it,
-            # so no write of this attempt outlives the failed save.
+            # so no write of this attempt outlives the failed save. Its own error (writes
+            # unanswered at the deadline) says less than the save's: retrieve and drop it.
             await asyncio.wait([job])
+            if not job.cancelled():
+                job.exception()
             raise
         created = await self.seal(group, step, written)
         if self._root_version != fmt.FORMAT_VERSION:

@@ -49,9 +49,9 @@ S3_TIMEOUTS: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 15,
                                "retries": {"max_attempts": 3, "mode": "standard"}}
 #: s3fs's own attempts at a request that timed out or lost its connection, around botocore's.
 S3_RETRIES = 2
-#: ``read_timeout`` does not bound a PUT: measured on SeaweedFS stopped by SIGSTOP, GETs and
-#: lists failed after ~130 s, a PUT still waited after 400 s. Metadata PUTs outside a save's
-#: deadline (commits, pins, retention's folds) are small, and get this bound of their own.
+#: Bound on a commit (its listing and conditional PUT) and on other metadata PUTs outside a
+#: save's deadline (pins, retention's folds): small requests, which would otherwise wait out
+#: every attempt's read timeout (~130 s for a listing, measured on SeaweedFS stopped by SIGSTOP).
 S3_PUT_TIMEOUT = 60.0
 
 # Whether each S3 endpoint enforces If-None-Match (checked once per process).
