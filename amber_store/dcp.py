@@ -51,7 +51,7 @@ from zarr.core.sync import sync
 from . import format as fmt
 from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError
 from .format import Manifest, TensorEntry
-from .history import step_base
+from .history import next_segment, step_base
 from .pipeline import BaseCache, Written
 from .reader import ReadSession, gather
 from .store import Store, open
@@ -147,7 +147,7 @@ class AmberStorageWriter(StorageWriter):
         prev = store.manifest(latest) if latest is not None else None
         bases = sync(store.history.base_steps(prev, store.base_policy, store.full_every, self.full))
         attempt = uuid.uuid4().hex[:8]
-        segment = prev.segment + [step] if bases and prev is not None else [step]
+        segment = next_segment(prev, bases, step)
         decision = _StepPlan(step, bases, len(segment) - 1, fmt.step_group(step, attempt), attempt, latest, segment)
         sync(store.open_group(decision.group, step))
         self._plan = decision  # finish() gets no plan: the coordinator remembers its decision

@@ -56,6 +56,12 @@ def step_base(bases: dict[str, int], base_policy: str) -> int | None:
     return bases.get(parent_policy(base_policy, True), next(iter(bases.values()), None))
 
 
+def next_segment(prev: Manifest | None, bases: dict[str, int], step: int) -> list[int]:
+    """The segment of ``step`` saved against ``bases`` (:meth:`History.base_steps`) after
+    ``prev``: ``prev``'s segment and ``step``, or ``step`` alone for a full step."""
+    return prev.segment + [step] if bases and prev is not None else [step]
+
+
 def json_buffer(obj: Any) -> Buffer:
     return default_buffer_prototype().buffer.from_bytes(json.dumps(obj, separators=(",", ":")).encode())
 

@@ -36,7 +36,8 @@ from . import retention
 from .codecs import CodecPolicy, Compression, DeltaCodec, Policy
 from .errors import AmberError, ConcurrentWriterError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError, StorageAccessError
 from .format import Manifest
-from .history import BASE_POLICIES, PARENTS, History, json_buffer, parent_policies, parent_policy, step_base
+from .history import (BASE_POLICIES, PARENTS, History, json_buffer, next_segment, parent_policies, parent_policy,
+                      step_base)
 from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written
 from .reader import Reader, ReadSession, gather
@@ -407,12 +408,12 @@ class Store:
         if self._root_version != fmt.FORMAT_VERSION:
             await history.write_root()  # an older store now holds steps of this version
             self._root_version = fmt.FORMAT_VERSION
-        depth = 0 if not bases else prev.depth + 1  # type: ignore[union-attr]
+        segment = next_segment(prev, bases, step)
         manifest = Manifest(
             step=step,
             kind="delta" if bases else "full",
             base=step_base(bases, self.base_policy),
-            depth=depth,
+            depth=len(segment) - 1,
             group=group,
             tree=tree,
             tensors={key: written.entries[key] for key in tensors},
@@ -421,7 +422,7 @@ class Store:
             attempt=group.rsplit("-", 1)[1],
             writer=history.writer_id,
             packs=written.packs,
-            segment=prev.segment + [step] if bases else [step],  # type: ignore[union-attr]
+            segment=segment,
             extra={"metrics": metrics} if metrics else {},
         )
         return manifest, latest, written.values
