@@ -31,6 +31,11 @@ from .uri import storage_errors
 # Chunks below this are decoded on the event loop: a thread hop costs more than the work.
 _INLINE_BYTES = 64 << 10
 
+#: A whole-step read fetches each object up to this size with one request; a bigger one is
+#: range-read chunk by chunk, so that its chunks arrive (and decode) concurrently, as s3fs would
+#: fetch a big object (:class:`amber_store.uri.S3ObjectStore`).
+WHOLE_OBJECT_BYTES = 64 << 20
+
 
 class ReadSession:
     """Shared state of one multi-tensor read: whole objects instead of ranges, and each
@@ -88,8 +93,12 @@ class Reader:
         return out
 
     async def _shard(self, step: int, entry: TensorEntry, key: str) -> Any:
-        """The whole shard object of a layer, or ``None`` if it stores no chunk."""
-        if entry.index is None or all(i is None for i in entry.index):
+        """The whole shard object of a layer, or ``None`` if it stores no chunk or is to be
+        range-read (above :data:`WHOLE_OBJECT_BYTES`)."""
+        if entry.index is None:
+            return None
+        stored = [loc for loc in entry.index if loc is not None]
+        if not stored or sum(n for _, n in stored) > WHOLE_OBJECT_BYTES:
             return None
         assert entry.array is not None
         raw = await self._zstore.get(fmt.shard_key(entry.array, len(entry.shape)), default_buffer_prototype())
@@ -106,7 +115,7 @@ class Reader:
             loc = le.index[flat]
             if loc is None:
                 return None
-            if objects is not None:
+            if objects is not None and objects[i] is not None:
                 return objects[i][loc[0]: loc[0] + loc[1]]
             assert le.array is not None
             raw = await self._zstore.get(fmt.shard_key(le.array, len(le.shape)), default_buffer_prototype(),

@@ -8,7 +8,8 @@ from zarr.abc.store import RangeByteRequest
 from zarr.storage import LocalStore
 
 import amber_store as amber
-from conftest import CountingStore, assert_bit_equal, is_data_key
+from amber_store import reader as reader_module
+from conftest import CountingStore, assert_bit_equal, assert_tree_bit_equal, is_data_key
 
 INDICES = [
     0, -1, slice(None), slice(3, 40), slice(5, 60, 7), (slice(None), 3), (..., slice(2, 9)),
@@ -64,6 +65,27 @@ def test_lazy_read_of_one_slice_range_reads_only_its_chunk_of_each_step_of_the_c
         e = reader.manifest(step).tensors["big"]
         offset, n = e.index[2]
         expected.append((f"{e.array}/0.0", RangeByteRequest(offset, offset + n)))
+    data_reads = [(k, r) for k, r in counting.ranges if is_data_key(k)]
+    assert sorted(data_reads, key=str) == sorted(expected, key=str)
+
+
+def test_an_eager_load_reads_small_objects_whole_once_and_big_ones_by_chunk_ranges(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader_module, "WHOLE_OBJECT_BYTES", 100 * 1024)
+    counting = CountingStore(LocalStore(tmp_path / "ckpt"))
+    store = amber.open(counting, chunk_bytes=16 * 1024, pack_threshold=0)
+    state = {"big": torch.randn(64, 1024), "small": torch.randn(8, 1024)}  # 256 KiB and 32 KiB
+    store.save(1, state)
+    state = {k: v + 1 for k, v in state.items()}
+    store.save(2, state)
+
+    reader = amber.open(counting, mode="r")
+    counting.ranges.clear()
+    assert_tree_bit_equal(reader.load(2, lazy=False), state)
+    expected = []
+    for step in (1, 2):
+        big, small = (reader.manifest(step).tensors[k] for k in ("big", "small"))
+        expected.append((f"{small.array}/0.0", None))
+        expected += [(f"{big.array}/0.0", RangeByteRequest(o, o + n)) for o, n in big.index]
     data_reads = [(k, r) for k, r in counting.ranges if is_data_key(k)]
     assert sorted(data_reads, key=str) == sorted(expected, key=str)
 

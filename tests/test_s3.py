@@ -223,6 +223,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def test_an_eager_load_gets_each_object_once_and_never_asks_for_sizes(s3_server, s3_uri):
+    opts = s3_server.storage_options()
+    with amber.open(s3_uri, opts, pack_threshold=0) as writer:
+        writer.save(1, state(0))
+        writer.save(2, state(1))
+    with amber.open(s3_uri, opts, mode="r") as reader:
+        calls: list[tuple[str, str]] = []
+        reader.history.zstore.fs.s3.meta.events.register(
+            "before-parameter-build.s3", lambda model, params, **_: calls.append((model.name, params.get("Key", ""))))
+        assert_tree_bit_equal(reader.load(2, lazy=False), state(1))
+    gets = [key for name, key in calls if name == "GetObject"]
+    assert {name for name, _ in calls} == {"GetObject"}  # s3fs would HEAD each object first
+    assert len(gets) == len(set(gets)) == 2 * len(state(1)) + 2  # per tensor two layers; 2 manifests
+
+
 def test_stores_never_closed_leave_no_open_connections_at_exit(s3_server, s3_uri):
     opts = s3_server.storage_options()
     code = (
