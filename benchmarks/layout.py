@@ -138,13 +138,14 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
             "ratios": {k: med[k] / med["torch.save"] for k in times} | {k: med[k] / med["torch.load"] for k in loads}}
 
 
-def stall(state: dict[str, Any], repeats: int, root: Path) -> dict[str, float]:
-    """save_async's blocking time against a bare copy of the state into reused buffers."""
+def stall(state: dict[str, Any], samples: int, root: Path) -> dict[str, float]:
+    """save_async's blocking time against a bare copy of the state into reused buffers, each
+    measured ``samples`` times, alternately."""
     flat = tensors(state)
     buffers = [torch.empty_like(t) for t in flat]
     store = amber.open(root / "stall", max_pending=2)
     copies, stalls = [], []
-    for step in range(repeats * 2):
+    for step in range(samples):
         copies.append(timed(lambda: [b.copy_(t) for b, t in zip(buffers, flat)]))
         stalls.append(timed(lambda: store.save_async(step, state)))
         store.wait()
@@ -189,6 +190,8 @@ def main() -> None:
     p.add_argument("--full-every", type=int, default=10)
     p.add_argument("--policy-params", type=float, default=20, help="model size of the base-policy comparison")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--stall-samples", type=int, default=12,
+                   help="save_async stalls (and bare copies) measured per state; a few ms each, noisy")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="amber-layout-"))
@@ -196,7 +199,7 @@ def main() -> None:
         results = {}
         for name, state in (("gpt", gpt_state(args.params)), ("small", small_state(args.small))):
             results[name] = bench(name, state, args.full_every, args.repeats, root)
-            results[name]["stall"] = stall(state, args.repeats, root)
+            results[name]["stall"] = stall(state, args.stall_samples, root)
         policy_run = policies(gpt_state(args.policy_params), args.full_every, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -216,7 +219,7 @@ def main() -> None:
               f"deepest chain {f['deepest chain']} objects.")
         s = r["stall"]
         print(f"save_async stall {s['save_async']:.3f} s vs bare copy {s['bare copy']:.3f} s "
-              f"(**{s['ratio']:.2f}x**).\n")
+              f"(**{s['ratio']:.2f}x**; medians of {args.stall_samples}, alternating).\n")
     print(f"## Base policies: one segment of {args.full_every} steps, GPT-like {args.policy_params:g}M params\n")
     chain_bytes = policy_run["chain"]["stored"]
     print(table(["base_policy", "stored MB", "vs chain", "objects read per tensor (deepest)",
