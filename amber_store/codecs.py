@@ -26,6 +26,7 @@ Codecs per dtype and delta kind:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import os
 import threading
@@ -100,7 +101,7 @@ class DeltaCodec(ArrayArrayCodec):
         return {"name": self.name, "configuration": {f.name: getattr(self, f.name) for f in fields(self)}}
 
     def with_base(self, step: int, array: str) -> Self:
-        return replace(self, base_step=step, base_array=array)
+        return _with_base(self, step, array)
 
     @classmethod
     def for_entry(cls, entry: TensorEntry) -> DeltaCodec:
@@ -162,6 +163,11 @@ class DeltaCodec(ArrayArrayCodec):
 
     def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
         return input_byte_length
+
+
+@functools.lru_cache(maxsize=1 << 12)  # every small tensor of a save asks for the same one
+def _with_base(codec: Any, step: int, array: str) -> Any:
+    return replace(codec, base_step=step, base_array=array)
 
 
 @dataclass(frozen=True)

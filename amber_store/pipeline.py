@@ -82,16 +82,22 @@ def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, base_crc: int | 
     comparison pass."""
     crc = crc32c.crc32c(value)
     np.copyto(new_base, value)
+    if _unchanged(value, base, crc, base_crc):
+        return None, crc
     if base is None:
-        if crc == _zeros_crc(value.nbytes) and not value.any():
-            return None, crc
         data = value
     else:
-        if (base_crc is None or crc == base_crc) and np.array_equal(value, base):
-            return None, crc
         data = scratch(value.nbytes).view(value.dtype)
         np.bitwise_xor(value, base, out=data)
     return compression.compress(_padded(data, padded), typesize, None if base is None else _XOR), crc
+
+
+def _unchanged(value: np.ndarray, base: np.ndarray | None, crc: int, base_crc: int | None) -> bool:
+    """Whether ``value`` (crc32c ``crc``) equals ``base`` (``None``: zeros, which a full step
+    starts from). Only an equal crc32c costs a comparison pass."""
+    if base is None:
+        return crc == _zeros_crc(value.nbytes) and not value.any()
+    return (base_crc is None or crc == base_crc) and np.array_equal(value, base)
 
 
 def _delta_chunk(codec: DeltaCodec, data: np.ndarray, side: np.ndarray | None, recon: np.ndarray, padded: int,
@@ -234,12 +240,15 @@ class StepWriter:
         """A small tensor: its whole serialized delta (or value) joins the step's pack stream.
         Either ``host`` (its raw bits, to XOR here) or ``delta`` (precomputed) is given."""
         if host is not None:  # lossless on the host: XOR here, copy into the new base
-            v = host
-            new = bits_to_numpy(value).reshape(-1)
-            np.copyto(new, v)
-            entry.crc32c = [crc32c.crc32c(v)]
-            data = v if base is None else np.bitwise_xor(v, bits_to_numpy(base.bits).reshape(-1))
-            payload = data.view(np.uint8) if data.any() else None
+            np.copyto(bits_to_numpy(value).reshape(-1), host)
+            crc = crc32c.crc32c(host)
+            entry.crc32c = [crc]
+            old = None if base is None else bits_to_numpy(base.bits).reshape(-1)
+            base_crc = base.entry.crc32c[0] if base is not None and len(base.entry.crc32c) == 1 else None
+            if _unchanged(host, old, crc, base_crc):
+                payload = None
+            else:
+                payload = (host if old is None else np.bitwise_xor(host, old)).view(np.uint8)
         else:
             assert delta is not None
             recon = bits_to_numpy(value).reshape(-1)

@@ -35,7 +35,7 @@ from . import export as export_
 from . import retention
 from .codecs import CodecPolicy, Compression, DeltaCodec, Policy
 from .errors import AmberError, ConcurrentWriterError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError, StorageAccessError
-from .format import Manifest
+from .format import Manifest, TensorEntry
 from .history import (BASE_POLICIES, PARENTS, History, json_buffer, next_segment, parent_policies, parent_policy,
                       step_base)
 from .lazy import LazyStateDict, LazyTensor, materialize
@@ -497,19 +497,23 @@ class Store:
         return sync(self._bases_for(base, keys, cache))
 
     async def _bases_for(self, base: Manifest, keys: list[str], cache: BaseCache) -> dict[str, Base | None]:
+        refs: dict[str, Base | None] = {}
+        missing: list[tuple[str, int, TensorEntry]] = []
+        for key in keys:  # (one task per tensor only for the bits to read: thousands of tasks cost ms)
+            found = await self.history.holder(base.step, key)
+            bits = None if found is None else cache.get(base.step, key)
+            if found is not None and bits is None:  # another process wrote the base, or this store was just opened
+                missing.append((key, *found))
+            else:
+                refs[key] = None if found is None else Base(*found, bits)
         session = ReadSession()
 
-        async def one(key: str) -> Base | None:
-            found = await self.history.holder(base.step, key)
-            if found is None:
-                return None
-            holder, entry = found
-            bits = cache.get(base.step, key)
-            if bits is None:  # another process wrote the base, or this store was just opened
-                bits = fmt.to_bits(fmt.numpy_to_tensor(await self.reader.read(holder, key, session=session), entry.dtype))
-            return Base(holder, entry, bits)
+        async def read(key: str, holder: int, entry: TensorEntry) -> Base:
+            raw = await self.reader.read(holder, key, session=session)
+            return Base(holder, entry, fmt.to_bits(fmt.numpy_to_tensor(raw, entry.dtype)))
 
-        return dict(zip(keys, await gather(one(k) for k in keys)))
+        refs.update(zip([key for key, _, _ in missing], await gather(read(*m) for m in missing)))
+        return refs
 
     def materialized(self, step: int, key: str) -> torch.Tensor:
         """The whole tensor ``key`` of ``step``, read now."""
