@@ -185,6 +185,14 @@ def run(uri: str = "./amber-demo", *, steps: int = 300, every: int = 10, full_ev
             f"({1 / summary['delta_over_torch_save']:.2f}x smaller)")
     out(f"whole run: {total:,} bytes stored vs {total_ts:,} for torch.save of every checkpoint "
         f"({total_ts / max(1, total):.2f}x smaller)")
+    disk = store.du()["storage"]
+    if "directories" in disk:  # a local store: what it occupies on the disk, metadata included
+        block = os.statvfs(store.uri).f_bsize
+        ts_disk = sum(-(-ts // block) * block for _, ts in rows)
+        summary["allocated_over_torch_save"] = disk["allocated"] / ts_disk
+        out(f"on disk: {disk['allocated']:,} bytes allocated in {disk['objects']} files and {disk['directories']} "
+            f"directories, {summary['allocated_over_torch_save']:.3f}x the {ts_disk:,} that torch.save's "
+            f"{len(rows)} files would take in {block}-byte blocks")
 
     (hist_step, expect), = kept.items()
     reader = amber.open(uri, mode="r")

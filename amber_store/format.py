@@ -41,6 +41,9 @@ STEPS_DIR = "steps"
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Tensors smaller than this are packed together into one object per step.
 DEFAULT_PACK_THRESHOLD = 1 << 20
+#: Packed tensors start, and a pack's inner chunks end, at multiples of this many bytes (8
+#: elements of 8 bytes: what blosc's bit shuffle needs, see :func:`choose_chunks`).
+PACK_ALIGN = 64
 PACK_PREFIX = "pack"
 # Shard index entry of an absent inner chunk (zarr v3 sharding spec).
 _ABSENT = (1 << 64) - 1
@@ -142,22 +145,35 @@ def numpy_to_tensor(bits: np.ndarray, name: str) -> torch.Tensor:
 # --- chunking -----------------------------------------------------------------------------
 
 def choose_chunks(shape: tuple[int, ...], item: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
-    """Chunk shape of about ``target_bytes``: trailing dims whole, leading dims split.
+    """Chunk shape of about ``target_bytes``: trailing dims whole, leading dims split, and a
+    multiple of 8 elements.
 
     Keeping trailing dimensions whole makes each chunk one contiguous run of the C-order
-    tensor, so a slice of leading rows touches the fewest chunks.
+    tensor, so a slice of leading rows touches the fewest chunks. blosc bit-shuffles (full
+    steps) only a block of a multiple of 8 elements and stores any other as is, which leaves
+    float values about 1.14x larger (measured): the split dimension is rounded down to make the
+    count a multiple of 8, where at least one slab remains (with fewer than 8 slabs of an odd
+    size per chunk, the chunk stays as it is).
     """
     budget = max(1, target_bytes // item)
     chunks = [1] * len(shape)
+    split = 0  # the dimension split (or, if none is, the leading one)
     for d in range(len(shape) - 1, -1, -1):
         n = max(1, shape[d])
         if n <= budget:
             chunks[d] = n
             budget //= n
         else:
-            chunks[d] = budget
+            chunks[d], split = budget, d
             break
+    if chunks and chunks[split] < shape[split]:
+        step = 8 // math.gcd(8, math.prod(chunks[split + 1:]))
+        chunks[split] = chunks[split] - chunks[split] % step or chunks[split]
     return tuple(chunks)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def chunk_grid(shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, ...]:

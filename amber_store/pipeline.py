@@ -142,6 +142,77 @@ class _Pending:
     nbytes: int
 
 
+class _PackStream:
+    """A step's small tensors one after the other (the pack array), compressed part by part
+    as the parts fill, beside the encoding of the tensors that follow (one thread encodes them).
+
+    Parts are ``size`` bytes, zarr's inner chunks of the pack: the last one is stored whole,
+    zero-padded (zstd and lz4 store a zero run almost free), and a stream of a single part is
+    stored at its own length rounded up. Each part is compressed as what most of it holds: raw
+    values (lz4, bit-shuffled) when all its tensors are full, else as XOR deltas, with the
+    element width of most of its bytes as the shuffle's type size (a blosc frame names both,
+    so the pack's metadata records those of the whole pack). Each tensor starts at a multiple of
+    :data:`~amber_store.format.PACK_ALIGN` bytes, so that no element straddles the shuffle's
+    lanes after a tensor of an odd size, and parts are multiples of it (below).
+    """
+
+    def __init__(self, size: int, pool: ThreadPoolExecutor, compression: Compression) -> None:
+        self.size = fmt.round_up(size, fmt.PACK_ALIGN)
+        self.length = 0
+        self.entries: list[TensorEntry] = []
+        self.widths: dict[int, int] = {}  # element width -> bytes, over the whole pack
+        self.deltas = False
+        self._pool = pool
+        self._compression = compression
+        self._jobs: list[Future[list[bytes]]] = []
+        self._part: np.ndarray | None = None
+        self._fill = 0
+        self._part_widths: dict[int, int] = {}
+        self._part_deltas = False
+
+    def append(self, entry: TensorEntry, data: np.ndarray, width: int) -> int:
+        """Add one tensor's stored bytes (uint8); returns their offset in the stream."""
+        gap = fmt.round_up(self.length, fmt.PACK_ALIGN) - self.length
+        if gap:
+            self._write(np.zeros(gap, np.uint8), width, False)
+        offset = self.length
+        self.entries.append(entry)
+        self.widths[width] = self.widths.get(width, 0) + data.size
+        self.deltas = self.deltas or entry.base is not None
+        self._write(data, width, entry.base is not None)
+        return offset
+
+    def _write(self, data: np.ndarray, width: int, delta: bool) -> None:
+        self.length += data.size
+        done = 0
+        while done < data.size:
+            if self._part is None:
+                self._part, self._fill, self._part_widths, self._part_deltas = np.empty(self.size, np.uint8), 0, {}, False
+            n = min(data.size - done, self.size - self._fill)
+            self._part[self._fill: self._fill + n] = data[done: done + n]
+            self._fill += n
+            done += n
+            self._part_widths[width] = self._part_widths.get(width, 0) + n
+            self._part_deltas = self._part_deltas or delta
+            if self._fill == self.size:
+                self._submit(self._part)
+
+    def _submit(self, part: np.ndarray) -> None:
+        typesize = max(self._part_widths, key=self._part_widths.__getitem__)
+        kind = _XOR if self._part_deltas else None
+        self._jobs.append(self._pool.submit(self._compression.compress, part, typesize, kind))
+        self._part = None
+
+    def finish(self) -> tuple[int, list[list[bytes] | None]]:
+        """The inner chunk size and every compressed part, in order."""
+        if self._part is not None:
+            if not self._jobs:
+                self.size = fmt.round_up(self._fill, fmt.PACK_ALIGN)
+            self._part[self._fill: self.size] = 0
+            self._submit(self._part[: self.size])
+        return self.size, [job.result() for job in self._jobs]
+
+
 class StepWriter:
     """Encodes and writes the tensors of one step into the attempt group ``group``.
 
@@ -170,9 +241,7 @@ class StepWriter:
         self._loop = sync(_running_loop())
         self._pool = codec_pool()
         self._out = Written()
-        self._packed: list[tuple[TensorEntry, Any]] = []
-        self._pack_len = 0
-        self._pack_widths: dict[int, int] = {}
+        self._pack = _PackStream(chunk_bytes, self._pool, compression)
         self._encoding: deque[_Pending] = deque()
         self._writes: dict[Future[None], int] = {}
         self._inflight = 0
@@ -258,13 +327,11 @@ class StepWriter:
         if payload is None and base is not None:
             self._same(key, entry.dtype, tuple(entry.shape), tuple(entry.chunks), base, entry.nbytes)
             return
-        length = len(memoryview(payload).cast("B")) if payload is not None else 0
-        entry.pack = [self._pack_name, self._pack_len, length]
-        if payload is not None:
-            self._packed.append((entry, payload))
-            self._pack_len += length
-            width = value.element_size()
-            self._pack_widths[width] = self._pack_widths.get(width, 0) + length
+        if payload is None:  # a zero tensor of a full step: nothing stored
+            entry.pack = [self._pack_name, self._pack.length, 0]
+        else:
+            data = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
+            entry.pack = [self._pack_name, self._pack.append(entry, data, value.element_size()), data.size]
         self._out.entries[key] = entry
 
     def _add_sharded(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor,
@@ -344,32 +411,25 @@ class StepWriter:
                 f.result()
 
     def _write_pack(self) -> None:
-        if not self._packed:
+        pack = self._pack
+        if not pack.entries:
             return
-        stream = b"".join(memoryview(payload).cast("B") for _, payload in self._packed)
-        typesize = max(self._pack_widths, key=self._pack_widths.__getitem__)
-        # Inner chunks of near-equal size, so that the last one (stored whole, zero-padded, as
-        # zarr reads it) carries almost no padding: lz4 stores a long zero run at 1/255.
-        size = -(-len(stream) // -(-len(stream) // self._chunk_bytes))
-        view = memoryview(stream)
-        parts = [view[a: a + size] if a + size <= len(stream) else bytes(view[a:]) + bytes(a + size - len(stream))
-                 for a in range(0, len(stream), size)]
-        # raw values when every packed tensor is (a full step), else compressed as deltas
-        kind = None if all(entry.base is None for entry, _ in self._packed) else _XOR
-        jobs = [self._pool.submit(self._compression.compress, part, typesize, kind) for part in parts]
-        index, payload, _ = _shard([j.result() for j in jobs])
+        size, blobs = pack.finish()
+        index, payload, _ = _shard(blobs)
+        typesize = max(pack.widths, key=pack.widths.__getitem__)
+        kind = _XOR if pack.deltas else None  # raw values when every packed tensor is (a full step)
         name = self._pack_name
         array = f"{self._group}/{name}"
-        self._out.packs[name] = {"array": array, "chunk": size, "nbytes": len(stream), "index": index}
+        self._out.packs[name] = {"array": array, "chunk": size, "nbytes": pack.length, "index": index}
         inner = [{"name": "bytes", "configuration": {}}, self._compression.config(typesize, kind), {"name": "crc32c"}]
-        self._out.arrays[name] = fmt.sharded_array_metadata((len(stream),), (size,), "uint8", inner,
+        self._out.arrays[name] = fmt.sharded_array_metadata((pack.length,), (size,), "uint8", inner,
                                                             {"pack": True})
         # Each packed tensor is charged its share of the compressed pack.
         stored = sum(len(part) for part in payload)
-        for entry, _ in self._packed:
-            entry.stored = stored * entry.pack[2] // max(1, len(stream))  # type: ignore[index]
-        self._inflight += len(stream)
-        self._put(fmt.shard_key(array, 1), payload, len(stream))
+        for entry in pack.entries:
+            entry.stored = stored * entry.pack[2] // max(1, pack.length)  # type: ignore[index]
+        self._inflight += pack.length
+        self._put(fmt.shard_key(array, 1), payload, pack.length)
 
     def finish(self) -> Written:
         """Write what is left and wait for every write."""
