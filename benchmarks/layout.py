@@ -4,7 +4,9 @@ Two workloads: a GPT-like model with AdamW state (``--params`` millions of param
 tensors) and ``--small`` small tensors (50 MB in all). For each, a run of ``--full-every``
 checkpoints is written with the default bases (``auto``: lossless deltas against the full
 step); every method is timed interleaved in one process (torch.save, amber full, amber delta,
-then again), medians of ``--repeats``; loads of the
+then again), medians of ``--repeats``. Full saves are timed twice a run: the store's first save
+(which also allocates the host copy of every tensor kept as the next deltas' base) and the first
+step of the next segment (buffers recycled, as in a training run); loads of the
 full step, a depth-1 step and the deepest step against torch.load of the same state from the page
 cache. Footprint: allocated bytes on disk (``du --block-size=1``) and files per step against
 torch.save files of every step. Also the ``save_async`` stall against a bare copy into reused
@@ -130,6 +132,8 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
             footprint = {"amber allocated": alloc, "torch.save allocated": ts_alloc, "amber files": files,
                          "torch.save files": ts_files, "objects per step (max)": objects,
                          "large tensors": large, "deepest chain": depths[deepest]}
+        times["torch.save"].append(timed(lambda: torch.save(state, ts_dir / "next.pt")))
+        times["amber save full"].append(timed(lambda: store.save(full_every, state)))  # the next segment's
         shutil.rmtree(run)
         shutil.rmtree(ts_dir)
         shutil.rmtree(root / f"{name}-{r}-nd")
@@ -205,7 +209,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(f"# Layout: save/load speed and footprint (format 3)\n\n{machine()}; full_every={args.full_every}, "
           f"base_policy=auto (the default: these lossless tensors diff against the full step), medians of "
-          f"{args.repeats} runs, interleaved.\n")
+          f"{args.repeats} runs (full saves: two a run), interleaved.\n")
     for name, r in results.items():
         mb = r["raw_bytes"] / 1e6
         print(f"## {name}: {mb:.0f} MB in {r['tensors']} tensors\n")
