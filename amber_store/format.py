@@ -145,8 +145,8 @@ def numpy_to_tensor(bits: np.ndarray, name: str) -> torch.Tensor:
 # --- chunking -----------------------------------------------------------------------------
 
 def choose_chunks(shape: tuple[int, ...], item: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
-    """Chunk shape of about ``target_bytes``: trailing dims whole, leading dims split, and a
-    multiple of 8 elements.
+    """Chunk shape of about ``target_bytes``: trailing dims whole, leading dims split (to a
+    multiple of 8 elements where that leaves a whole slab).
 
     Keeping trailing dimensions whole makes each chunk one contiguous run of the C-order
     tensor, so a slice of leading rows touches the fewest chunks. blosc bit-shuffles (full
