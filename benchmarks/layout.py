@@ -4,9 +4,10 @@ Two workloads: a GPT-like model with AdamW state (``--params`` millions of param
 tensors) and ``--small`` small tensors (50 MB in all). For each, a run of ``--full-every``
 checkpoints is written with the default bases (``auto``: lossless deltas against the full
 step); every method is timed interleaved in one process (torch.save, amber full, amber delta,
-then again), medians of ``--repeats``. Full saves are timed twice a run: the store's first save
+then again), medians of ``--repeats``. Full saves are timed apart: a fresh store's first save
 (which also allocates the host copy of every tensor kept as the next deltas' base) and the first
-step of the next segment (buffers recycled, as in a training run); loads of the
+step of the next segment (buffers recycled: what a training run pays every ``full_every``
+checkpoints); loads of the
 full step, a depth-1 step and the deepest step against torch.load of the same state from the page
 cache. Footprint: allocated bytes on disk (``du --block-size=1``) and files per step against
 torch.save files of every step. Also the ``save_async`` stall against a bare copy into reused
@@ -98,7 +99,8 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
     g = torch.Generator().manual_seed(1)
     raw = nbytes(state)
     times: dict[str, list[float]] = {k: [] for k in (
-        "torch.save", "amber save full", "amber save delta", "amber save delta (durable=False)")}
+        "torch.save", "amber save full (fresh store)", "amber save full", "amber save delta",
+        "amber save delta (durable=False)")}
     loads: dict[str, list[float]] = {k: [] for k in ("torch.load", "amber load full", "amber load depth 1",
                                                      "amber load deepest")}
     for r in range(repeats):
@@ -111,7 +113,7 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
             if pos:
                 train_step(state, g)
             times["torch.save"].append(timed(lambda: torch.save(state, ts_dir / f"{pos}.pt")))
-            key = "amber save full" if pos == 0 else "amber save delta"
+            key = "amber save full (fresh store)" if pos == 0 else "amber save delta"
             times[key].append(timed(lambda: store.save(pos, state)))
             if pos:
                 times["amber save delta (durable=False)"].append(timed(lambda: fast.save(pos, state)))
@@ -132,8 +134,9 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
             footprint = {"amber allocated": alloc, "torch.save allocated": ts_alloc, "amber files": files,
                          "torch.save files": ts_files, "objects per step (max)": objects,
                          "large tensors": large, "deepest chain": depths[deepest]}
-        times["torch.save"].append(timed(lambda: torch.save(state, ts_dir / "next.pt")))
-        times["amber save full"].append(timed(lambda: store.save(full_every, state)))  # the next segment's
+        for k in (1, 2):  # the next segments' first steps
+            times["torch.save"].append(timed(lambda: torch.save(state, ts_dir / "next.pt")))
+            times["amber save full"].append(timed(lambda: store.save(k * full_every, state, full=True)))
         shutil.rmtree(run)
         shutil.rmtree(ts_dir)
         shutil.rmtree(root / f"{name}-{r}-nd")
@@ -209,7 +212,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(f"# Layout: save/load speed and footprint (format 3)\n\n{machine()}; full_every={args.full_every}, "
           f"base_policy=auto (the default: these lossless tensors diff against the full step), medians of "
-          f"{args.repeats} runs (full saves: two a run), interleaved.\n")
+          f"{args.repeats} runs, interleaved.\n")
     for name, r in results.items():
         mb = r["raw_bytes"] / 1e6
         print(f"## {name}: {mb:.0f} MB in {r['tensors']} tensors\n")

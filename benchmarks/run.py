@@ -220,7 +220,8 @@ Where amber-store loses:
 
 - **Synchronous save time.** With format 3 (a few objects per step, chunks XORed, checksummed
   and compressed on both cores), `store.save` of the {gpt['raw_bytes'] / 1e6:.0f} MB GPT-like state takes
-  {gpt['ratios']['amber save full']:.2f}x (full) / {gpt['ratios']['amber save delta']:.2f}x (delta) `torch.save`'s time, and
+  {gpt['ratios']['amber save full']:.2f}x (full; a fresh store's first save
+  {gpt['ratios']['amber save full (fresh store)']:.2f}x) / {gpt['ratios']['amber save delta']:.2f}x (delta) `torch.save`'s time, and
   {small['ratios']['amber save full']:.2f}x / {small['ratios']['amber save delta']:.2f}x for {small['tensors']} small tensors (goal 1.5x / 2x). torch.save writes
   to the page cache without compressing or fsyncing; amber-store compresses on both cores
   (full steps lz4, about 2 GB/s; XOR deltas zstd, about 0.6 GB/s: `compressor="lz4"` trades
