@@ -140,12 +140,13 @@ class AmberStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         store = self._open()
-        latest = store.latest()
+        steps = store.steps()
+        latest = steps[-1] if steps else None
         step = self.step if self.step is not None else (latest + 1 if latest is not None else 0)
         if latest is not None and step <= latest:
             raise StepOrderError(f"{store.uri}: step {step} is not newer than the latest committed step {latest}")
         prev = store.manifest(latest) if latest is not None else None
-        bases = sync(store.history.base_steps(prev, store.base_policy, store.full_every, self.full))
+        bases = sync(store.history.base_steps(prev, store.base_policy, store.full_every, self.full, steps))
         attempt = uuid.uuid4().hex[:8]
         segment = next_segment(prev, bases, step)
         decision = _StepPlan(step, bases, len(segment) - 1, fmt.step_group(step, attempt), attempt, latest, segment)

@@ -193,9 +193,10 @@ class History:
         return [s for s, _ in await self.chain(step, key)]
 
     async def base_steps(self, prev: Manifest | None, base_policy: str, full_every: int,
-                         full: bool | None) -> dict[str, int]:
+                         full: bool | None, committed: list[int] | None = None) -> dict[str, int]:
         """The steps the next save diffs against, by parent rule (empty: a full step), given
-        the latest.
+        the latest and the committed steps (``None``: listed now; each listing is a round trip
+        on S3).
 
         ``prev.segment`` lists the steps at positions ``0..prev.depth`` of its segment; the next
         step takes position ``depth + 1`` and diffs against the step at each rule's parent
@@ -206,10 +207,10 @@ class History:
         position = prev.depth + 1
         if full is None and position >= full_every:
             return {}
-        committed = set(await self.steps())
+        kept = set(await self.steps() if committed is None else committed)
         bases = {}
         for policy in parent_policies(base_policy):
-            candidates = [s for s in prev.segment[: PARENTS[policy](position) + 1] if s in committed]
+            candidates = [s for s in prev.segment[: PARENTS[policy](position) + 1] if s in kept]
             if candidates:
                 bases[policy] = candidates[-1]
         return bases

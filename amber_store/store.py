@@ -391,7 +391,7 @@ class Store:
         if latest is not None and step <= latest:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the latest committed step {latest}")
         prev = await history.manifest(latest) if latest is not None else None
-        bases = await history.base_steps(prev, self.base_policy, self.full_every, full)
+        bases = await history.base_steps(prev, self.base_policy, self.full_every, full, steps)
         await self.open_group(group, step)
         job = asyncio.ensure_future(asyncio.to_thread(self._write_tensors, group, step, tensors, bases, deadline))
         try:

@@ -238,6 +238,23 @@ def test_an_eager_load_gets_each_object_once_and_never_asks_for_sizes(s3_server,
     assert len(gets) == len(set(gets)) == 2 * len(state(1)) + 2  # per tensor two layers; 2 manifests
 
 
+def test_a_delta_save_lists_the_commits_twice_and_writes_each_object_once(s3_server, s3_uri):
+    opts = s3_server.storage_options()
+    with amber.open(s3_uri, opts, pack_threshold=0) as writer:
+        writer.save(1, state(0))
+        calls: list[tuple[str, str]] = []
+        writer.history.zstore.fs.s3.meta.events.register(
+            "before-parameter-build.s3",
+            lambda model, params, **_: calls.append((model.name, params.get("Key", params.get("Prefix", "")))))
+        writer.save(2, state(1))
+    listings = [prefix for name, prefix in calls if name == "ListObjectsV2"]
+    puts = [key for name, key in calls if name == "PutObject"]
+    assert len(listings) == 2 and all(p.endswith("/commits/") for p in listings)  # staging, the commit's check
+    # the step group's zarr.json twice (opened, then sealed with its arrays); every other object once
+    assert len(puts) == len(set(puts)) + 1 == len(state(1)) + 3
+    assert {name for name, _ in calls} == {"ListObjectsV2", "PutObject"}
+
+
 def test_stores_never_closed_leave_no_open_connections_at_exit(s3_server, s3_uri):
     opts = s3_server.storage_options()
     code = (
