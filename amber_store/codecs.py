@@ -53,6 +53,7 @@ from .format import (
     itemsize,
     numpy_to_tensor,
     region_chunks,
+    round_up,
     to_bits,
     whole,
 )
@@ -503,7 +504,7 @@ class BlockDeltaCodec(_CodedDelta):
 
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]],
                   padded: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        width = -(-padded // self.block) * self.block
+        width = round_up(padded, self.block)
         # Blocks are counted from each chunk's start: the tensor viewed as (chunks, blocks, block),
         # copied into a zero-padded buffer only when its chunks do not tile it exactly.
         whole = all(hi - lo == width for lo, hi in runs)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .format import round_up
+
 
 def corpus(max_bytes: int = 2_000_000) -> torch.Tensor:
     """Bytes of the standard library's own source files, as a uint8 tensor."""
@@ -188,7 +190,7 @@ def run(uri: str = "./amber-demo", *, steps: int = 300, every: int = 10, full_ev
     disk = store.du()["storage"]
     if "directories" in disk:  # a local store: what it occupies on the disk, metadata included
         block = os.statvfs(store.uri).f_bsize
-        ts_disk = sum(-(-ts // block) * block for _, ts in rows)
+        ts_disk = sum(round_up(ts, block) for _, ts in rows)
         summary["allocated_over_torch_save"] = disk["allocated"] / ts_disk
         out(f"on disk: {disk['allocated']:,} bytes allocated in {disk['objects']} files and {disk['directories']} "
             f"directories, {summary['allocated_over_torch_save']:.3f}x the {ts_disk:,} that torch.save's "

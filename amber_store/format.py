@@ -173,6 +173,7 @@ def choose_chunks(shape: tuple[int, ...], item: int, target_bytes: int = DEFAULT
 
 
 def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``n``."""
     return -(-n // multiple) * multiple
 
 

@@ -127,10 +127,9 @@ class History:
 
     async def manifest(self, step: int) -> Manifest:
         fut = self._manifests.get(step)
-        failed = fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None)
-        if fut is not None and fut.done() and not failed:
+        if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
             return fut.result()  # (without a shield: a save asks once per tensor)
-        if fut is None or failed:
+        if fut is None or fut.done():  # not read yet, or the read failed: read again
             fut = asyncio.ensure_future(self._read_manifest(step))
             self._manifests[step] = fut
         try:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from zarr.core.sync import sync
 
-from .format import DTYPES, TensorEntry, numpy_to_tensor
+from .format import DTYPES, TensorEntry, numpy_to_tensor, round_up
 from .reader import ReadSession, gather
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def _plan(index: Index, shape: tuple[int, ...], chunks: tuple[int, ...]) -> tupl
                 lo, hi = 0, 0
             else:
                 lo, hi = start, start + (stop - start - 1) // step * step + 1
-        r = slice(lo // c * c, min(-(-hi // c) * c, n))
+        r = slice(lo // c * c, min(round_up(hi, c), n))
         region.append(r)
         local.append(i - r.start if isinstance(i, int) else slice(lo - r.start, hi - r.start, i.indices(n)[2]))
     if empty:
