@@ -29,7 +29,7 @@ from .errors import (
 # The rest is imported on first use (PEP 562), so that `amber-store --help` and the error types
 # do not pay for importing torch.
 _LAZY = {
-    "BlockDeltaCodec": "codecs", "DeltaCodec": "codecs", "Policy": "codecs", "RatioDeltaCodec": "codecs",
+    "BlockDeltaCodec": "codecs", "DeltaCodec": "codecs", "DiffDeltaCodec": "codecs", "Policy": "codecs", "RatioDeltaCodec": "codecs",
     "QuantizedDeltaCodec": "codecs", "SparseDeltaCodec": "codecs",
     "XorDeltaCodec": "codecs", "FORMAT_VERSION": "format", "LazyStateDict": "lazy", "LazyTensor": "lazy",
     "materialize": "lazy", "CommitInfo": "store", "Store": "store", "open": "store",
@@ -68,6 +68,7 @@ __all__ = [
     "NotAnAmberStoreError",
     "Policy",
     "QuantizedDeltaCodec",
+    "DiffDeltaCodec",
     "RatioDeltaCodec",
     "SparseDeltaCodec",
     "StepNotFoundError",

@@ -165,9 +165,10 @@ class AmberStorageWriter(StorageWriter):
         tensors = {key: _item_tensor(planner.resolve_data(item)) for key, item in keyed.items()}
         codecs = store.codecs_for(tensors)
         refs = store.tensor_bases(decision.bases, codecs, cache=bases.cache)
+        keep = store.kept_as_base(decision.depth)
         try:
             for key, tensor in tensors.items():
-                writer.add(key, tensor, refs.get(key), codecs[key])
+                writer.add(key, tensor, refs.get(key), codecs[key], keep=keep[codecs[key].lossless])
             written = writer.finish()
         finally:
             writer.close()

@@ -34,7 +34,7 @@ FORMAT_NAME = "amber-store"
 # that are not str/int), and aliased tensors stored once (several nodes name one tensor key).
 # 5: entropy-coded lossy encodings block and ratio (codecs amber.block_delta, amber.ratio_delta,
 # serializer amber.ans).
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
 STEPS_DIR = "steps"
@@ -48,7 +48,7 @@ PACK_PREFIX = "pack"
 # Shard index entry of an absent inner chunk (zarr v3 sharding spec).
 _ABSENT = (1 << 64) - 1
 
-Encoding = Literal["full", "xor", "sparse", "quant", "block", "ratio", "same"]
+Encoding = Literal["full", "diff", "xor", "sparse", "quant", "block", "ratio", "same"]
 
 
 def commit_key(step: int) -> str:

@@ -42,7 +42,7 @@ class CheckpointManager:
         keep_best: int | None = None,
         best_fn: str | Callable[[Mapping[str, float]], float] = "loss",
         best_mode: Literal["min", "max"] = "min",
-        codec: Any = "xor",
+        codec: Any = "lossless",
         storage_options: dict[str, Any] | None = None,
         async_save: bool = True,
         **store_options: Any,

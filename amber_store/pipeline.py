@@ -2,7 +2,7 @@
 
 A :class:`StepWriter` turns the tensors of one step into stored objects: tensors below the pack
 threshold go, whole, into one *pack* stream per step; every larger tensor becomes one *shard*
-object holding its chunks and an index (zarr v3 ``sharding_indexed``). Chunks are XORed against
+object holding its chunks and an index (zarr v3 ``sharding_indexed``). Chunks are diffed against
 the base, checksummed and compressed on :func:`~amber_store.codecs.codec_pool`'s threads (all
 release the GIL), straight from the tensor's memory into reused buffers. Deltas of tensors on an
 accelerator are computed there with torch, so only the delta crosses to the host; lossy codecs
@@ -27,9 +27,10 @@ import torch
 from zarr.core.sync import sync
 
 from . import format as fmt
-from .codecs import Compression, Delta, DeltaCodec, QuantizedDeltaCodec, XorDeltaCodec, codec_pool, scratch
+from .codecs import (DELTA_ENCODINGS, Compression, Delta, DeltaCodec, DiffDeltaCodec, LosslessDeltaCodec,
+                     QuantizedDeltaCodec, codec_named, codec_pool, scratch)
 from .errors import AsyncSaveError
-from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, to_bits
+from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, itemsize, to_bits
 
 
 @dataclass
@@ -57,9 +58,6 @@ class Written:
     keys: list[str] = field(default_factory=list)
 
 
-_XOR = XorDeltaCodec()
-
-
 def _padded(data: np.ndarray, length: int) -> np.ndarray:
     """``data`` (flat) zero-padded to ``length`` elements: an edge chunk is stored whole."""
     if data.size == length:
@@ -74,22 +72,24 @@ def _zeros_crc(nbytes: int) -> int:
     return crc32c.crc32c(bytes(nbytes))
 
 
-def _lossless_chunk(value: np.ndarray, base: np.ndarray | None, base_crc: int | None, new_base: np.ndarray,
-                    padded: int, compression: Compression, typesize: int) -> tuple[list[bytes] | None, int]:
-    """One chunk of a full or XOR step: (stored parts, or ``None`` when all zero; crc32c of
-    the materialized bits). ``new_base`` receives the value. A chunk whose crc32c differs from
-    its base's (or, in a full step, from zeros') has changed: only an equal crc32c costs a
-    comparison pass."""
+def _lossless_chunk(codec: LosslessDeltaCodec, value: np.ndarray, base: np.ndarray | None, base_crc: int | None,
+                    new_base: np.ndarray | None, padded: int, compression: Compression,
+                    typesize: int) -> tuple[list[bytes] | None, int]:
+    """One chunk of a full step (no ``base``) or of a lossless delta (``codec``): (stored
+    parts, or ``None`` when all zero; crc32c of the materialized bits). ``new_base``, if
+    given, receives the value. A chunk whose crc32c differs from its base's (or, in a full step, from zeros')
+    has changed: only an equal crc32c costs a comparison pass."""
     crc = crc32c.crc32c(value)
-    np.copyto(new_base, value)
+    if new_base is not None:
+        np.copyto(new_base, value)
     if _unchanged(value, base, crc, base_crc):
         return None, crc
     if base is None:
         data = value
     else:
         data = scratch(value.nbytes).view(value.dtype)
-        np.bitwise_xor(value, base, out=data)
-    return compression.compress(_padded(data, padded), typesize, None if base is None else _XOR), crc
+        codec.encode_into(data, value, base)
+    return compression.compress(_padded(data, padded), typesize, None if base is None else codec), crc
 
 
 def _unchanged(value: np.ndarray, base: np.ndarray | None, crc: int, base_crc: int | None) -> bool:
@@ -102,7 +102,7 @@ def _unchanged(value: np.ndarray, base: np.ndarray | None, crc: int, base_crc: i
 
 def _delta_chunk(codec: DeltaCodec, data: np.ndarray, side: np.ndarray | None, recon: np.ndarray, padded: int,
                  compression: Compression, typesize: int) -> tuple[list[bytes] | None, int]:
-    """One chunk of a precomputed delta (device XOR or a lossy codec): stored bytes and the
+    """One chunk of a precomputed delta (a lossless one from the device, or a lossy codec's): stored bytes and the
     crc32c of the reconstruction."""
     crc = crc32c.crc32c(recon)
     if not data.any():
@@ -149,9 +149,10 @@ class _PackStream:
     Parts are ``size`` bytes, zarr's inner chunks of the pack: the last one is stored whole,
     zero-padded (zstd and lz4 store a zero run almost free), and a stream of a single part is
     stored at its own length rounded up. Each part is compressed as what most of it holds: raw
-    values (lz4, bit-shuffled) when all its tensors are full, else as XOR deltas, with the
-    element width of most of its bytes as the shuffle's type size (a blosc frame names both,
-    so the pack's metadata records those of the whole pack). Each tensor starts at a multiple of
+    values (lz4, bit-shuffled) when all its tensors are full, else as the deltas of the codec
+    that stored most of its delta bytes, with the element width of most of its bytes as the
+    shuffle's type size (a blosc frame names both, so the pack's metadata records those of the
+    whole pack). Each tensor starts at a multiple of
     :data:`~amber_store.format.PACK_ALIGN` bytes, so that no element straddles the shuffle's
     lanes after a tensor of an odd size, and parts are multiples of it (below).
     """
@@ -161,46 +162,49 @@ class _PackStream:
         self.length = 0
         self.entries: list[TensorEntry] = []
         self.widths: dict[int, int] = {}  # element width -> bytes, over the whole pack
-        self.deltas = False
+        self.deltas: dict[str, int] = {}  # delta encoding -> bytes, over the whole pack
         self._pool = pool
         self._compression = compression
         self._jobs: list[Future[list[bytes]]] = []
         self._part: np.ndarray | None = None
         self._fill = 0
         self._part_widths: dict[int, int] = {}
-        self._part_deltas = False
+        self._part_deltas: dict[str, int] = {}
 
     def append(self, entry: TensorEntry, data: np.ndarray, width: int) -> int:
         """Add one tensor's stored bytes (uint8); returns their offset in the stream."""
         gap = fmt.round_up(self.length, fmt.PACK_ALIGN) - self.length
         if gap:
-            self._write(np.zeros(gap, np.uint8), width, False)
+            self._write(np.zeros(gap, np.uint8), width, None)
         offset = self.length
         self.entries.append(entry)
         self.widths[width] = self.widths.get(width, 0) + data.size
-        self.deltas = self.deltas or entry.base is not None
-        self._write(data, width, entry.base is not None)
+        delta = None if entry.base is None else entry.encoding
+        if delta is not None:
+            self.deltas[delta] = self.deltas.get(delta, 0) + data.size
+        self._write(data, width, delta)
         return offset
 
-    def _write(self, data: np.ndarray, width: int, delta: bool) -> None:
+    def _write(self, data: np.ndarray, width: int, delta: str | None) -> None:
         self.length += data.size
         done = 0
         while done < data.size:
             if self._part is None:
-                self._part, self._fill, self._part_widths, self._part_deltas = np.empty(self.size, np.uint8), 0, {}, False
+                self._part, self._fill, self._part_widths, self._part_deltas = np.empty(self.size, np.uint8), 0, {}, {}
             n = min(data.size - done, self.size - self._fill)
             self._part[self._fill: self._fill + n] = data[done: done + n]
             self._fill += n
             done += n
             self._part_widths[width] = self._part_widths.get(width, 0) + n
-            self._part_deltas = self._part_deltas or delta
+            if delta is not None:
+                self._part_deltas[delta] = self._part_deltas.get(delta, 0) + n
             if self._fill == self.size:
                 self._submit(self._part)
 
     def _submit(self, part: np.ndarray) -> None:
         typesize = max(self._part_widths, key=self._part_widths.__getitem__)
-        kind = _XOR if self._part_deltas else None
-        self._jobs.append(self._pool.submit(self._compression.compress, part, typesize, kind))
+        kind = _compressed_as(self._part_deltas)
+        self._jobs.append(self._pool.submit(self._compression.compress, part, typesize, kind, True))
         self._part = None
 
     def finish(self) -> tuple[int, list[list[bytes] | None]]:
@@ -211,6 +215,12 @@ class _PackStream:
             self._part[self._fill: self.size] = 0
             self._submit(self._part[: self.size])
         return self.size, [job.result() for job in self._jobs]
+
+
+def _compressed_as(deltas: dict[str, int]) -> DeltaCodec | None:
+    """The codec whose compression settings suit a pack part with ``deltas`` (encoding ->
+    bytes; none: raw values)."""
+    return DELTA_ENCODINGS[max(deltas, key=deltas.__getitem__)]() if deltas else None
 
 
 class StepWriter:
@@ -249,11 +259,13 @@ class StepWriter:
     # --- adding tensors -------------------------------------------------------------------
 
     def add(self, key: str, tensor: torch.Tensor, base: Base | None, codec: DeltaCodec | None = None,
-            layout: TensorEntry | None = None) -> None:
+            layout: TensorEntry | None = None, keep: bool = True) -> None:
         """Encode ``tensor`` as ``key`` against ``base`` (``None``: full) with ``codec``
-        (default lossless XOR). A base of another shape or dtype, or a format-2 base, is
+        (default: the lossless :class:`~amber_store.codecs.DiffDeltaCodec`). A base of another shape or dtype, or a format-2 base, is
         ignored: the tensor is then stored full. ``layout``: a format-3 entry whose chunking
-        and packing to keep (retention rewrites steps that later deltas build on)."""
+        and packing to keep (retention rewrites steps that later deltas build on). ``keep``:
+        whether the tensor's materialized value is returned (:attr:`Written.values`) as a later
+        save's base; without it, a lossless tensor on the host is not copied at all."""
         tensor = tensor.detach()
         name = dtype_name(tensor.dtype)
         shape = tuple(tensor.shape)
@@ -268,17 +280,17 @@ class StepWriter:
             chunks = tuple(layout.chunks)
         else:
             chunks = fmt.choose_chunks(shape, tensor.element_size(), self._chunk_bytes)
-        codec = codec or XorDeltaCodec()
+        codec = codec or codec_named("lossless")
         if base is not None:
             codec = codec.with_base(base.step, base.entry.array or "")
         delta = None
-        if base is not None and (tensor.device.type != "cpu" or not isinstance(codec, XorDeltaCodec)):
+        if base is not None and (tensor.device.type != "cpu" or not isinstance(codec, LosslessDeltaCodec)):
             delta = codec.diff(tensor, base.bits, chunks)
             if delta is None:
                 self._same(key, name, shape, chunks, base, nbytes)
                 return
             if isinstance(codec, QuantizedDeltaCodec) and delta.params is None:
-                codec = XorDeltaCodec(base.step, base.entry.array or "")  # non-finite values: the diff fell back to XOR
+                codec = DiffDeltaCodec(base.step, base.entry.array or "")  # non-finite values: stored exactly
         encoding = "full" if base is None else codec.encoding
         array = None if packed else f"{self._group}/{fmt.array_name(key)}"
         entry = TensorEntry(name, list(shape), list(chunks), encoding, None if base is None else base.step,  # type: ignore[arg-type]
@@ -286,13 +298,14 @@ class StepWriter:
         host = None
         if delta is not None:
             value = delta.recon
-        else:  # the raw bits on the host (a view for CPU tensors): XORed there, chunk by chunk
+        else:  # the raw bits on the host (a view for CPU tensors): diffed there, chunk by chunk
             bits = to_bits(tensor)
             host = bits_to_numpy(bits.to("cpu")).reshape(-1)
-            value = self._recycle(key, bits)
-            if value is None:
+            value = self._recycle(key, bits) if keep else None
+            if value is None and keep:
                 value = torch.empty(shape, dtype=bits.dtype)
-        self._out.values[key] = value
+        if keep:
+            self._out.values[key] = value
         if packed:
             self._add_packed(key, entry, host, value, delta, base, codec)
         else:
@@ -304,22 +317,29 @@ class StepWriter:
                                              base.entry.crc32c, nbytes)
         self._out.values[key] = base.bits
 
-    def _add_packed(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor,
+    def _add_packed(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor | None,
                     delta: Delta | None, base: Base | None, codec: DeltaCodec) -> None:
         """A small tensor: its whole serialized delta (or value) joins the step's pack stream.
-        Either ``host`` (its raw bits, to XOR here) or ``delta`` (precomputed) is given."""
-        if host is not None:  # lossless on the host: XOR here, copy into the new base
-            np.copyto(bits_to_numpy(value).reshape(-1), host)
+        Either ``host`` (its raw bits, to diff here; ``value``, if given, receives them) or
+        ``delta`` (precomputed, ``value`` its reconstruction) is given."""
+        if host is not None:  # lossless on the host: the delta is taken here
+            if value is not None:
+                np.copyto(bits_to_numpy(value).reshape(-1), host)
             crc = crc32c.crc32c(host)
             entry.crc32c = [crc]
             old = None if base is None else bits_to_numpy(base.bits).reshape(-1)
             base_crc = base.entry.crc32c[0] if base is not None and len(base.entry.crc32c) == 1 else None
             if _unchanged(host, old, crc, base_crc):
                 payload = None
+            elif old is None:
+                payload = host.view(np.uint8)
             else:
-                payload = (host if old is None else np.bitwise_xor(host, old)).view(np.uint8)
+                assert isinstance(codec, LosslessDeltaCodec)
+                stored = np.empty_like(host)
+                codec.encode_into(stored, host, old)
+                payload = stored.view(np.uint8)
         else:
-            assert delta is not None
+            assert delta is not None and value is not None
             recon = bits_to_numpy(value).reshape(-1)
             entry.crc32c = [crc32c.crc32c(recon)]
             flat, side = delta.data.reshape(-1), None if delta.side is None else delta.side[0]
@@ -331,24 +351,25 @@ class StepWriter:
             entry.pack = [self._pack_name, self._pack.length, 0]
         else:
             data = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
-            entry.pack = [self._pack_name, self._pack.append(entry, data, value.element_size()), data.size]
+            entry.pack = [self._pack_name, self._pack.append(entry, data, itemsize(entry.dtype)), data.size]
         self._out.entries[key] = entry
 
-    def _add_sharded(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor,
+    def _add_sharded(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor | None,
                      delta: Delta | None, base: Base | None, codec: DeltaCodec) -> None:
         shape, chunks = tuple(entry.shape), tuple(entry.chunks)
         runs = fmt.chunk_runs(shape, chunks)
         padded = int(np.prod(chunks))
-        width = value.element_size()
-        new = bits_to_numpy(value).reshape(-1)
+        width = itemsize(entry.dtype)
+        new = None if value is None else bits_to_numpy(value).reshape(-1)
         if host is not None:
             src = host
             ref = None if base is None else bits_to_numpy(base.bits).reshape(-1)
             crcs = base.entry.crc32c if base is not None and len(base.entry.crc32c) == len(runs) else [None] * len(runs)
-            jobs = [self._pool.submit(_lossless_chunk, src[a:b], None if ref is None else ref[a:b], crc, new[a:b],
-                                      padded, self._compression, width) for (a, b), crc in zip(runs, crcs)]
+            jobs = [self._pool.submit(_lossless_chunk, codec, src[a:b], None if ref is None else ref[a:b], crc,
+                                      None if new is None else new[a:b], padded, self._compression, width)
+                    for (a, b), crc in zip(runs, crcs)]
         else:
-            assert delta is not None
+            assert delta is not None and new is not None
             data, side = delta.data.reshape(-1), delta.side
             jobs = [self._pool.submit(_delta_chunk, codec, data[a:b], None if side is None else side[k], new[a:b],
                                       padded, self._compression, width) for k, (a, b) in enumerate(runs)]
@@ -417,11 +438,12 @@ class StepWriter:
         size, blobs = pack.finish()
         index, payload, _ = _shard(blobs)
         typesize = max(pack.widths, key=pack.widths.__getitem__)
-        kind = _XOR if pack.deltas else None  # raw values when every packed tensor is (a full step)
+        kind = _compressed_as(pack.deltas)  # raw values when every packed tensor is (a full step)
         name = self._pack_name
         array = f"{self._group}/{name}"
         self._out.packs[name] = {"array": array, "chunk": size, "nbytes": pack.length, "index": index}
-        inner = [{"name": "bytes", "configuration": {}}, self._compression.config(typesize, kind), {"name": "crc32c"}]
+        inner = [{"name": "bytes", "configuration": {}}, self._compression.config(typesize, kind, packed=True),
+                 {"name": "crc32c"}]
         self._out.arrays[name] = fmt.sharded_array_metadata((pack.length,), (size,), "uint8", inner,
                                                             {"pack": True})
         # Each packed tensor is charged its share of the compressed pack.

@@ -166,7 +166,7 @@ class Reader:
             codec = DELTA_ENCODINGS[le.encoding].for_entry(le)
             if packed:
                 raw = payload
-            elif le.encoding == "xor":  # a fixed size: decode into this thread's reused buffer
+            elif codec.lossless:  # a fixed size: decode into this thread's reused buffer
                 raw = self._decompress(payload, scratch(padded * out.itemsize), s, key, idx)
             else:
                 raw = self._decompress(payload, None, s, key, idx)

@@ -90,13 +90,15 @@ class Store:
         chunk_bytes: size of one chunk (the unit of lazy reads and of parallel compression).
         pack_threshold: tensors smaller than this (bytes) are packed into one object per step.
         compressor, compression_level: blosc compressor and its level: ``"auto"`` (default:
-            lz4 for full steps, zstd for deltas), ``"lz4"`` (fastest; XOR deltas about 11%
-            larger) or ``"zstd"``; see :class:`~amber_store.codecs.Compression`.
+            lz4 for full steps and for the default lossless deltas, zstd for XOR and lossy
+            deltas), ``"lz4"`` or ``"zstd"`` (smaller, slower); see :class:`~amber_store.codecs.Compression`.
         verify_checksums: check each materialized chunk's crc32c on read (stored chunks are
             always checked before they are decoded).
         durable: make every data object durable (fsync) before the commit, on local disks.
         progress: show a tqdm bar while saving.
-        codec: the delta codec of each tensor: ``"xor"`` (lossless, default), ``"lossy"``
+        codec: the delta codec of each tensor: ``"lossless"`` (default: the integer difference
+            of the raw bits, :class:`~amber_store.codecs.DiffDeltaCodec`), ``"xor"`` (lossless:
+            raw bits XOR the base's), ``"lossy"``
             (the recommended lossy preset: block-quantized, entropy-coded deltas; ratio-coded
             second moments), ``"block"``, ``"ratio"``, ``"sparse"``, ``"quant8"``, ``"quant4"``,
             a :class:`~amber_store.codecs.DeltaCodec`, or rules ``[(key pattern, codec), ...]``
@@ -134,7 +136,7 @@ class Store:
         durable: bool = True,
         progress: bool = False,
         max_inflight_bytes: int = 1 << 30,
-        codec: CodecPolicy = "xor",
+        codec: CodecPolicy = "lossless",
         max_pending: int = 1,
         snapshot: str = "host",
         save_timeout: float | Literal["auto"] | None = "auto",
@@ -392,8 +394,10 @@ class Store:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the latest committed step {latest}")
         prev = await history.manifest(latest) if latest is not None else None
         bases = await history.base_steps(prev, self.base_policy, self.full_every, full, steps)
+        segment = next_segment(prev, bases, step)
         await self.open_group(group, step)
-        job = asyncio.ensure_future(asyncio.to_thread(self._write_tensors, group, step, tensors, bases, deadline))
+        job = asyncio.ensure_future(asyncio.to_thread(self._write_tensors, group, step, tensors, bases,
+                                                      len(segment) - 1, deadline))
         try:
             written = await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -408,7 +412,6 @@ class Store:
         if self._root_version != fmt.FORMAT_VERSION:
             await history.write_root()  # an older store now holds steps of this version
             self._root_version = fmt.FORMAT_VERSION
-        segment = next_segment(prev, bases, step)
         manifest = Manifest(
             step=step,
             kind="delta" if bases else "full",
@@ -429,21 +432,34 @@ class Store:
 
     def live_bases(self, m: Manifest) -> set[int]:
         """Steps of ``m``'s segment that a later save may diff against."""
-        horizon = 2 * max(self.full_every, m.depth + 2)
-        parents = {PARENTS[p](r) for p in parent_policies(self.base_policy) for r in range(m.depth + 1, horizon)}
-        return {m.segment[q] for q in parents if 0 <= q <= m.depth}
+        return {m.segment[q] for q in self._parents(m.depth, parent_policies(self.base_policy)) if 0 <= q <= m.depth}
+
+    def kept_as_base(self, depth: int) -> dict[bool, bool]:
+        """For lossless (``True``) and lossy tensors: whether a later save may diff against a
+        step at position ``depth`` of its segment (so its values are worth keeping in memory)."""
+        return {lossless: depth in self._parents(depth, (parent_policy(self.base_policy, lossless),))
+                for lossless in (True, False)}
+
+    def _parents(self, depth: int, policies: tuple[str, ...]) -> set[int]:
+        """Segment positions that a later position than ``depth`` diffs against under ``policies``."""
+        horizon = 2 * max(self.full_every, depth + 2)
+        return {PARENTS[p](r) for p in policies for r in range(depth + 1, horizon)}
 
     def _write_tensors(self, group: str, step: int, tensors: dict[str, torch.Tensor],
-                       bases: dict[str, int], deadline: float | None = None) -> Written:
+                       bases: dict[str, int], depth: int, deadline: float | None = None) -> Written:
         """Encode and write every tensor into ``group`` (on a worker thread, so the event loop
-        stays free for the writes), giving up at ``deadline`` (``time.monotonic()``)."""
+        stays free for the writes), giving up at ``deadline`` (``time.monotonic()``). The step
+        is at position ``depth`` of its segment: a tensor whose codec's parent rule never
+        diffs against that position (a lossless one under ``auto`` in a delta step) keeps no
+        copy of its value (:meth:`kept_as_base`)."""
         writer = self.step_writer(group, recycle=self.bases.recycle, deadline=deadline)
         codecs = self.codecs_for(tensors)
         refs = self.tensor_bases(bases, codecs)
+        keep = self.kept_as_base(depth)
         try:
             items = tqdm(tensors.items(), desc=f"save {step}", unit="tensor", disable=not self.progress)
             for key, tensor in items:
-                writer.add(key, tensor, refs.get(key), codecs[key])
+                writer.add(key, tensor, refs.get(key), codecs[key], keep=keep[codecs[key].lossless])
             return writer.finish()
         finally:
             writer.close()

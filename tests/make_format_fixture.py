@@ -1,8 +1,8 @@
 """Writes the small reference store of the on-disk format (docs/FORMAT.md).
 
-``python tests/make_format_fixture.py tests/data/format-v5`` made the newest committed copy
-(``format-v1`` to ``-v4`` were made by the code of their versions, with ``expected(1)`` to
-``expected(4)``); the tests read every
+``python tests/make_format_fixture.py tests/data/format-v6`` made the newest committed copy
+(``format-v1`` to ``-v5`` were made by the code of their versions, with ``expected(1)`` to
+``expected(5)``); the tests read every
 committed copy back with the current code, so a change that breaks old stores fails CI, and
 also read back what this script writes today. Never edit a committed copy by hand; when the
 format version changes, add a new ``format-vN`` directory and keep the old ones.
@@ -20,22 +20,25 @@ import torch
 
 # Version 2 added lossy deltas: the keys of lossy_policy() are saved with lossy codecs (their
 # restored values are checked against the codec's bound, and against what today's code restores).
+# Version 6 made the integer-difference delta the lossless default; XOR stays for the "xor/" keys.
 def lossy_policy() -> list:
     import amber_store as amber
 
-    return [("lossy/q", amber.QuantizedDeltaCodec(bits=4, min_numel=1)),
+    return [("xor/*", "xor"), ("lossy/q", amber.QuantizedDeltaCodec(bits=4, min_numel=1)),
             ("lossy/s", amber.SparseDeltaCodec(min_numel=1)),
             ("lossy/p", amber.QuantizedDeltaCodec(bits=8, min_numel=1)),
             ("lossy/blk", amber.BlockDeltaCodec(step=0.2, block=16, min_numel=1)),
             ("lossy/ratio", amber.RatioDeltaCodec(step=0.05, min_numel=1))]
 
 
-def expected(version: int = 5) -> dict[int, dict]:
+def expected(version: int = 6) -> dict[int, dict]:
     """The state saved at each step: full, xor delta, then same/new/shape-change/removed; from
     version 2 on also a quantized and a sparse tensor; from version 3 on a packed tensor that
     changes every step and a packed quantized one; from version 4 on the newer leaf kinds and
     a tensor tied to model/w; from version 5 on a block-quantized sharded tensor (with a NaN
-    at step 3) and a packed ratio-coded one (with a zero)."""
+    at step 3) and a packed ratio-coded one (with a zero); from version 6 on (lossless deltas
+    are integer differences) a sharded and a packed tensor kept as XOR deltas, and a tensor
+    whose elements move both ways across zero and across powers of two."""
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
     model = OrderedDict(w=w, b=torch.linspace(-1, 1, 5).to(torch.bfloat16), mask=torch.tensor([True, False, True]))
     model._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() returns
@@ -79,6 +82,11 @@ def expected(version: int = 5) -> dict[int, dict]:
             state["lossy"]["blk"] = blk + 0.1 * step * torch.cos(blk * step)
             state["lossy"]["ratio"] = torch.linspace(0, 3, 9) ** 2 * (1 + 0.07 * step)
         states[3]["lossy"]["blk"][2, 3] = float("nan")
+    if version >= 6:
+        for step, state in states.items():
+            moving = torch.linspace(-2, 2, 40) * (1 - 0.3 * step)
+            state["xor"] = {"big": moving.reshape(5, 8) + step, "small": torch.arange(3, dtype=torch.int16) * step}
+            state["signs"] = moving.to(torch.float16)
     return states
 
 

@@ -42,7 +42,7 @@ def test_ls_info_du_list_steps_and_bytes_as_text_and_json(filled):
     assert [r["step"] for r in rows] == [10, 20, 30, 40, 50, 60, 70]
     assert [r["kind"] for r in rows] == ["full", "delta", "delta"] * 2 + ["full"]
     info = json.loads(run("info", str(filled), "30", "--json").stdout)
-    assert info["chain"] == [10, 30] and info["tensors"]["model/w"]["encoding"] == "xor"  # log bases
+    assert info["chain"] == [10, 30] and info["tensors"]["model/w"]["encoding"] == "diff"  # log bases
     assert "model/w" in run("info", str(filled), "30").stdout
     du = json.loads(run("du", str(filled), "--json").stdout)
     assert set(du["groups"]) == {"model", "optim"}

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import crc32c
+import numpy as np
 import pytest
 import torch
+from numcodecs import blosc
 
+import amber_store as amber
 from amber_store import format as fmt
 from conftest import all_keys, assert_bit_equal, assert_tree_bit_equal, is_data_key
 
@@ -34,7 +37,7 @@ def test_a_tensor_that_changes_again_after_unchanged_steps_diffs_against_its_dat
     w2[0, 0] = 5.0
     store.save(4, {"w": w2})
     entries = [store.manifest(s).tensors["w"] for s in (2, 3, 4)]
-    assert [(e.encoding, e.base) for e in entries] == [("same", 1), ("same", 1), ("xor", 1)]
+    assert [(e.encoding, e.base) for e in entries] == [("same", 1), ("same", 1), ("diff", 1)]
     assert store.info(4)["chain"] == [1, 4]
     reader = make_store(mode="r")
     assert_bit_equal(reader.load(4)["w"].materialize(), w2)
@@ -54,7 +57,7 @@ def test_only_changed_chunks_of_a_tensor_are_written_into_its_one_object(make_st
     w[20] += 1.0  # touches chunk 1 of 4
     store.save(2, {"w": w})
     entry = store.manifest(2).tensors["w"]
-    assert entry.chunks == [16, 64] and entry.encoding == "xor"
+    assert entry.chunks == [16, 64] and entry.encoding == "diff"
     assert [i for i, where in enumerate(entry.index) if where is not None] == [1]
     assert all_keys(store, entry.array + "/") == [f"{entry.array}/0.0"]
     assert_bit_equal(store.load(2)["w"].materialize(), w)
@@ -72,7 +75,7 @@ def test_small_tensors_of_a_step_share_one_pack_object(make_store):
         state[f"t{i}"] += 1
     store.save(2, state)
     m2 = store.manifest(2)
-    assert sum(e.encoding == "xor" for e in m2.tensors.values()) == 8
+    assert sum(e.encoding == "diff" for e in m2.tensors.values()) == 8
     assert_tree_bit_equal(make_store(mode="r").load(2, lazy=False), state)
 
 
@@ -153,3 +156,130 @@ def test_a_changed_chunk_with_the_same_crc32c_as_before_is_still_stored(local_st
     e = store.manifest(step).tensors["w"]
     assert e.index[0] is not None and e.crc32c[0] == crc32c.crc32c(raw[:4096])
     assert_bit_equal(local_store(mode="r").load(step)["w"].materialize(), after)
+
+
+def extreme_values(dtype: torch.dtype, n: int = 1000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two states of a ``dtype`` tensor whose differences cover the edges: wrap-around of
+    integers, sign changes, NaN payloads, infinities, signed zeros, subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5, torch.rand(n, generator=g) > 0.5
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        a = torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(dtype)
+        b = a.clone()
+        b[:n // 2] = torch.randint(info.min, info.max, (n // 2,), generator=g, dtype=torch.int64).to(dtype)
+        a[0], b[0], a[1], b[1] = info.min, info.max, info.max, info.min
+        return a, b
+    a = torch.randn(n, generator=g).to(dtype)
+    b = (a.double() * (1 + 1e-3 * torch.randn(n, generator=g, dtype=torch.float64))).to(dtype)
+    b[n // 2:] = -b[n // 2:]
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40]).to(dtype)
+    a[: special.numel()] = special
+    b[special.numel(): 2 * special.numel()] = special
+    return a, b
+
+
+LOSSLESS_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+                   torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("codec", [amber.DiffDeltaCodec(), amber.XorDeltaCodec()], ids=["diff", "xor"])
+@pytest.mark.parametrize("dtype", LOSSLESS_DTYPES, ids=str)
+def test_lossless_deltas_are_the_same_bits_on_the_device_and_host_paths_and_restore_exactly(codec, dtype):
+    a, b = extreme_values(dtype)
+    base = fmt.to_bits(a).clone()
+    delta = codec.diff(b, base, (b.numel(),))  # the torch path (the tensor's device)
+    host = np.empty_like(delta.data)
+    codec.encode_into(host, fmt.bits_to_numpy(fmt.to_bits(b)), fmt.bits_to_numpy(base))  # the host path
+    assert np.array_equal(host, delta.data)
+    assert torch.equal(delta.recon, fmt.to_bits(b))
+    restored = fmt.bits_to_numpy(base).copy()
+    codec.apply_into(restored, host, fmt.whole((b.numel(),)), None)
+    assert_bit_equal(fmt.numpy_to_tensor(restored, fmt.dtype_name(dtype)), b)
+
+
+@pytest.mark.parametrize("codec", ["lossless", "xor"])
+def test_every_dtype_round_trips_bit_exactly_through_lossless_delta_chains(make_store, codec):
+    states = [{}, {}, {}]
+    for i, dtype in enumerate(LOSSLESS_DTYPES):
+        a, b = extreme_values(dtype, n=3000, seed=i)
+        c = b.clone()
+        c[::7] = a[::7]
+        for state, value in zip(states, (a, b, c)):
+            state[str(dtype)] = value.reshape(30, 100)
+            state["small/" + str(dtype)] = value[:40]
+    store = make_store(codec=codec, base_policy="chain", chunk_bytes=2048, pack_threshold=1000)
+    for step, state in enumerate(states):
+        store.save(step, state)
+    encodings = {e.encoding for e in store.manifest(2).tensors.values()}
+    assert encodings == {"diff" if codec == "lossless" else "xor"}
+    for step, state in enumerate(states):
+        assert_tree_bit_equal(store.load(step, lazy=False), state)
+    lazy = store.load(2)["torch.float32"]
+    assert_bit_equal(lazy[7:19, 3:50], states[2]["torch.float32"][7:19, 3:50])
+
+
+def test_integer_difference_deltas_of_slowly_moving_floats_are_smaller_than_xor(tmp_path):
+    # A small update is a small integer difference of a float's bits; XOR sets every bit a carry
+    # flipped. Here every element moves by about 1e-3 of its size, as between checkpoints.
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 1024, generator=g) * 0.02
+    small = {f"b{i}": torch.randn(300, generator=g) for i in range(50)}
+    moved = {"w": w * (1 + 1e-3 * torch.randn(w.shape, generator=g)),
+             "small": {k: v * (1 + 1e-3 * torch.randn(v.shape, generator=g)) for k, v in small.items()}}
+    stored = {}
+    for codec in ("lossless", "xor"):
+        store = amber.open(tmp_path / codec, codec=codec)
+        store.save(1, {"w": w, "small": small})
+        store.save(2, moved)
+        entries = store.manifest(2).tensors
+        stored[codec] = (entries["w"].stored, sum(e.stored for k, e in entries.items() if k != "w"))
+    assert stored["lossless"][0] < 0.97 * stored["xor"][0]  # lz4 (large tensors) against XOR with zstd
+    assert stored["lossless"][1] < 0.97 * stored["xor"][1]  # zstd (packs) against XOR with zstd
+
+
+def blosc_settings(frame: bytes) -> tuple[str, int]:
+    """(compressor library, shuffle: 0 none, 1 byte, 2 bit) named by a blosc frame's header
+    (its flags byte: bit 0 byte shuffle, bit 2 bit shuffle)."""
+    flags = frame[2]
+    return blosc.cbuffer_complib(frame), 1 if flags & 1 else 2 if flags & 4 else 0
+
+
+@pytest.mark.parametrize("compressor", ["auto", "zstd", "lz4"])
+def test_lossless_deltas_of_large_tensors_default_to_lz4_bit_shuffled_and_packs_to_zstd(local_store, tmp_path,
+                                                                                       compressor):
+    store = local_store(compressor=compressor, pack_threshold=4096)
+    w, b = torch.randn(64, 1024), torch.randn(100)
+    store.save(1, {"w": w, "b": b})
+    store.save(2, {"w": w + 1e-3, "b": b + 1e-3})
+    m = store.manifest(2)
+    root = tmp_path / "ckpt"  # local_store's
+    shard = (root / fmt.shard_key(m.tensors["w"].array, 2)).read_bytes()
+    offset, nbytes = m.tensors["w"].index[0]
+    pack = (root / fmt.shard_key(m.packs["pack"]["array"], 1)).read_bytes()
+    offset_p, nbytes_p = m.packs["pack"]["index"][0]
+    large = blosc_settings(shard[offset: offset + nbytes - 4])  # each chunk ends with its crc32c
+    packed = blosc_settings(pack[offset_p: offset_p + nbytes_p - 4])
+    expected = {"auto": (("LZ4", 2), ("Zstd", 1)), "zstd": (("Zstd", 1), ("Zstd", 1)),
+                "lz4": (("LZ4", 2), ("LZ4", 2))}[compressor]
+    assert (large, packed) == expected
+
+
+@pytest.mark.parametrize("policy", ["auto", "chain"])
+def test_only_steps_a_later_save_diffs_against_keep_a_copy_of_their_values(local_store, policy):
+    store = local_store(base_policy=policy, full_every=10)
+    w = torch.randn(300, 1024)
+    for step in range(3):
+        w += 1e-3
+        store.save(step, {"w": w, "b": w[0, :100].clone()})
+    # Under "auto" lossless deltas diff against the full step: a delta step's values are never
+    # a base, so a save does not copy them; "chain" diffs against the previous step.
+    base = {"auto": 0, "chain": 2}[policy]
+    assert [step for step in range(3) if store.bases.get(step, "w") is not None] == [base]
+    if policy == "chain":
+        assert torch.equal(store.bases.get(2, "w"), fmt.to_bits(w))
+    else:  # no buffer was filled for steps 1 and 2 (a copied one would be free for reuse now)
+        assert store.bases.recycle("w", fmt.to_bits(w)) is None
+    store.save(3, {"w": w + 1, "b": w[0, :100] + 1})
+    assert_bit_equal(store.load(3, lazy=False)["w"], w + 1)

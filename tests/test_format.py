@@ -39,25 +39,31 @@ def check_reference_store(path: Path, version: int) -> None:
                 assert torch.allclose(got["lossy"]["ratio"], lossy["ratio"], rtol=0.026)
     encodings = {k: e.encoding for k, e in store.manifest(3).tensors.items()}
     assert encodings["model/w"] == "same" and encodings["model/b"] == "full" and encodings["new"] == "full"
-    assert store.manifest(2).tensors["model/w"].encoding == "xor"
+    lossless = "xor" if version < 6 else "diff"
+    assert store.manifest(2).tensors["model/w"].encoding == lossless
     if version >= 2:
         assert encodings["lossy/q"] == "quant" and encodings["lossy/s"] == "sparse"
     if version >= 3:
         entries = store.manifest(3).tensors
-        assert entries["small"].encoding == "xor" and entries["small"].pack is not None
+        assert entries["small"].encoding == lossless and entries["small"].pack is not None
         assert entries["lossy/p"].encoding == "quant" and entries["lossy/p"].pack is not None
         assert entries["lossy/q"].index is not None and len(entries["lossy/q"].chunks) == 2
     if version >= 4:
         got = store.load(2, lazy=False)
         assert got["tied"] is got["model"]["w"] and "tied" not in store.manifest(2).tensors
-        assert store.manifest(2).tensors["leaves/rng"].encoding == "xor"
+        assert store.manifest(2).tensors["leaves/rng"].encoding == lossless
     if version >= 5:
         entries = store.manifest(3).tensors
         assert entries["lossy/blk"].encoding == "block" and entries["lossy/blk"].index is not None
         assert entries["lossy/ratio"].encoding == "ratio" and entries["lossy/ratio"].pack is not None
+    if version >= 6:
+        entries = store.manifest(2).tensors
+        assert entries["xor/big"].encoding == "xor" and entries["xor/big"].index is not None
+        assert entries["xor/small"].encoding == "xor" and entries["xor/small"].pack is not None
+        assert entries["signs"].encoding == "diff"
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
 def test_every_committed_format_version_reads_back_with_the_current_code(tmp_path, version):
     copy = tmp_path / f"v{version}"
     shutil.copytree(DATA / f"format-v{version}", copy)  # reads need no write access; keep the fixture pristine
@@ -113,7 +119,7 @@ def test_delta_arrays_name_their_codec_and_base_and_resolve_without_importing_am
     group = zarr.open_group(tmp_path / "s" / m.group, mode="r", use_consolidated=True)
     (sharding,) = group[name].metadata.codecs
     delta = sharding.codecs[0]
-    assert isinstance(delta, amber.XorDeltaCodec) and delta.base_step == 1
+    assert isinstance(delta, amber.DiffDeltaCodec) and delta.base_step == 1
     code = ("import sys, zarr\n"
             "g = zarr.open_group(sys.argv[1], mode='r', use_consolidated=True)\n"
             "print(type(g[sys.argv[2]].metadata.codecs[0].codecs[0]).__module__)\n")

@@ -175,8 +175,8 @@ def test_the_lossy_preset_uses_ratio_for_second_moments_block_elsewhere_and_keep
     entries = store.manifest(3).tensors
     assert entries["model/0.weight"].encoding == "block" and entries["optim/state/0/exp_avg"].encoding == "block"
     assert entries["optim/state/0/exp_avg_sq"].encoding == "ratio"
-    assert entries["model/1.weight"].encoding == "xor"  # 128 elements: below min_numel
-    assert entries["optim/state/0/step"].encoding == "xor" and entries["seen"].encoding == "xor"
+    assert entries["model/1.weight"].encoding == "diff"  # 128 elements: below min_numel
+    assert entries["optim/state/0/step"].encoding == "diff" and entries["seen"].encoding == "diff"
     got = store.load(3, lazy=False)
     assert_bit_equal(got["optim"]["state"][0]["step"], opt.state_dict()["state"][0]["step"])
     assert_bit_equal(got["model"]["1.bias"], model.state_dict()["1.bias"])
@@ -208,8 +208,8 @@ def test_a_lossy_policy_for_optimizer_state_leaves_model_weights_bit_exact(make_
         counts += 1
         store.save(step, {"model": {"w": model}, "optim": {"m": moment, "n": counts}})
     entries = store.manifest(5).tensors
-    assert entries["model/w"].encoding == "xor" and entries["optim/m"].encoding == "quant"
-    assert entries["optim/n"].encoding == "xor"  # integers never go lossy
+    assert entries["model/w"].encoding == "diff" and entries["optim/m"].encoding == "quant"
+    assert entries["optim/n"].encoding == "diff"  # integers never go lossy
     got = make_store(mode="r").load(5, lazy=False)
     assert_bit_equal(got["model"]["w"], model)
     assert_bit_equal(got["optim"]["n"], counts)
@@ -226,8 +226,8 @@ def test_small_tensors_such_as_adam_step_counters_stay_exact_under_a_lossy_polic
         store.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
     entries = store.manifest(3).tensors
     assert entries["optim/state/0/exp_avg"].encoding == "quant"  # 8192 elements
-    assert entries["optim/state/1/exp_avg"].encoding == "xor"  # the 128-element bias moment
-    assert entries["optim/state/0/step"].encoding == "xor"
+    assert entries["optim/state/1/exp_avg"].encoding == "diff"  # the 128-element bias moment
+    assert entries["optim/state/0/step"].encoding == "diff"
     assert_bit_equal(store.load(3)["optim"]["state"][0]["step"].materialize(), opt.state_dict()["state"][0]["step"])
 
 
@@ -246,7 +246,7 @@ def test_lossy_codecs_fall_back_exactly_on_non_finite_values(local_store):
     w2 = w.clone()
     w2[3] = float("nan")
     store.save(2, {"w": w2})
-    assert store.manifest(2).tensors["w"].encoding == "xor"
+    assert store.manifest(2).tensors["w"].encoding == "diff"
     assert_bit_equal(store.load(2)["w"].materialize(), w2)
 
 
@@ -273,9 +273,9 @@ def test_sparse_and_pack4_serializers_round_trip_their_own_encoded_form(codec, d
         assert len(encoded) == (arr.size + 1) // 2
 
 
-@pytest.mark.parametrize("codec", [amber.XorDeltaCodec(3, "a/b"), amber.SparseDeltaCodec(3, "a/b", 0.05, None),
-                                   amber.SparseDeltaCodec(topk=0.1), amber.QuantizedDeltaCodec(1, "x", bits=4),
-                                   amber.BlockDeltaCodec(2, "w", step=3.0, block=128),
+@pytest.mark.parametrize("codec", [amber.XorDeltaCodec(3, "a/b"), amber.DiffDeltaCodec(4, "c"),
+                                   amber.SparseDeltaCodec(3, "a/b", 0.05, None), amber.SparseDeltaCodec(topk=0.1),
+                                   amber.QuantizedDeltaCodec(1, "x", bits=4), amber.BlockDeltaCodec(2, "w", step=3.0, block=128),
                                    amber.RatioDeltaCodec(2, "v", step=0.07, min_numel=10)])
 def test_delta_codec_metadata_round_trips(codec):
     assert type(codec).from_dict(codec.to_dict()) == codec
