@@ -67,6 +67,7 @@ def main() -> None:
     cases = {
         "copy (clone, memcpy)": lambda: value.clone(),
         "copy into a reused buffer": lambda: out.copy_(value),
+        "diff (lossless, default)": lambda: encode(amber.DiffDeltaCodec(0, "b")),
         "xor (lossless)": lambda: encode(amber.XorDeltaCodec(0, "b")),
         "sparse 2%": lambda: encode(amber.SparseDeltaCodec(0, "b")),
         "quant8": lambda: encode(amber.QuantizedDeltaCodec(0, "b", bits=8)),

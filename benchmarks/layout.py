@@ -35,7 +35,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
+from amber_store.format import FORMAT_VERSION  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
+
+
+XOR_SAVE = 'amber save delta (codec="xor")'
+XOR_LOAD = 'amber load depth 1 (codec="xor")'
 
 
 def gpt_state(params_m: float, seed: int = 0) -> dict[str, Any]:
@@ -100,15 +105,17 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
     raw = nbytes(state)
     times: dict[str, list[float]] = {k: [] for k in (
         "torch.save", "amber save full (fresh store)", "amber save full", "amber save delta",
-        "amber save delta (durable=False)")}
+        "amber save delta (durable=False)", XOR_SAVE)}
     loads: dict[str, list[float]] = {k: [] for k in ("torch.load", "amber load full", "amber load depth 1",
-                                                     "amber load deepest")}
+                                                     "amber load deepest", XOR_LOAD)}
+    delta_bytes = {"default": 0, "xor": 0}
     for r in range(repeats):
         run = root / f"{name}-{r}"
         ts_dir = root / f"{name}-{r}-ts"
         ts_dir.mkdir(parents=True)
         store = amber.open(run, full_every=full_every)
         fast = amber.open(root / f"{name}-{r}-nd", full_every=full_every, durable=False)
+        xor = amber.open(root / f"{name}-{r}-xor", full_every=full_every, codec="xor")  # format 5's default
         for pos in range(full_every):
             if pos:
                 train_step(state, g)
@@ -117,14 +124,19 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
             times[key].append(timed(lambda: store.save(pos, state)))
             if pos:
                 times["amber save delta (durable=False)"].append(timed(lambda: fast.save(pos, state)))
+                times[XOR_SAVE].append(timed(lambda: xor.save(pos, state)))
+                delta_bytes["default"] += store.info(pos)["nbytes_stored"]
+                delta_bytes["xor"] += xor.info(pos)["nbytes_stored"]
             else:
                 fast.save(pos, state)
+                xor.save(pos, state)
         depths = {s: len(store.info(s)["chain"]) for s in store.steps()}
         deepest = max(depths, key=lambda s: (depths[s], s))
         for _ in range(2):
             loads["torch.load"].append(timed(lambda: torch.load(ts_dir / f"{deepest}.pt", weights_only=True)))
             for label, step in (("amber load full", 0), ("amber load depth 1", 1), ("amber load deepest", deepest)):
                 loads[label].append(timed(lambda: amber.open(run, mode="r").load(step, lazy=False)))
+            loads[XOR_LOAD].append(timed(lambda: amber.open(root / f"{name}-{r}-xor", mode="r").load(1, lazy=False)))
         if r == 0:
             alloc, files = allocated(run)
             ts_alloc, ts_files = allocated(ts_dir)
@@ -140,8 +152,10 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
         shutil.rmtree(run)
         shutil.rmtree(ts_dir)
         shutil.rmtree(root / f"{name}-{r}-nd")
+        shutil.rmtree(root / f"{name}-{r}-xor")
     med = {k: statistics.median(v) for k, v in {**times, **loads}.items()}
     return {"raw_bytes": raw, "tensors": len(tensors(state)), "median_s": med, "footprint": footprint,
+            "delta_bytes_vs_xor": delta_bytes["default"] / delta_bytes["xor"],
             "ratios": {k: med[k] / med["torch.save"] for k in times} | {k: med[k] / med["torch.load"] for k in loads}}
 
 
@@ -210,7 +224,7 @@ def main() -> None:
         policy_run = policies(gpt_state(args.policy_params), args.full_every, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"# Layout: save/load speed and footprint (format 3)\n\n{machine()}; full_every={args.full_every}, "
+    print(f"# Layout: save/load speed and footprint (format {FORMAT_VERSION})\n\n{machine()}; full_every={args.full_every}, "
           f"base_policy=auto (the default: these lossless tensors diff against the full step), medians of "
           f"{args.repeats} runs, interleaved.\n")
     for name, r in results.items():
@@ -223,7 +237,8 @@ def main() -> None:
               f"torch.save {f['torch.save allocated'] / 1e6:.0f} MB in {f['torch.save files']} files "
               f"(**{f['amber allocated'] / f['torch.save allocated']:.2f}x**); objects per step "
               f"{f['objects per step (max)']} for {f['large tensors']} tensors above the pack threshold; "
-              f"deepest chain {f['deepest chain']} objects.")
+              f"deepest chain {f['deepest chain']} objects. Delta steps store "
+              f"{r['delta_bytes_vs_xor']:.3f}x the bytes of `codec=\"xor\"`'s (format 5's default).")
         s = r["stall"]
         print(f"save_async stall {s['save_async']:.3f} s vs bare copy {s['bare copy']:.3f} s "
               f"(**{s['ratio']:.2f}x**; medians of {args.stall_samples}, alternating).\n")

@@ -102,7 +102,7 @@ def main() -> None:
     saved: dict[tuple[str, int], list[tuple[str, int, float]]] = {}
     last = args.steps
     try:
-        for name, policy, every in grid + [("lossless", "xor", 10)]:
+        for name, policy, every in grid + [("lossless", "lossless", 10)]:
             stores[(name, every)] = amber.open(root / f"{len(stores)}", mode="w", codec=policy, full_every=10)
             saved[(name, every)] = []
         t0 = time.perf_counter()

@@ -24,7 +24,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent))
 
+from amber_store.format import FORMAT_VERSION  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
+from benchmarks.layout import XOR_LOAD, XOR_SAVE  # noqa: E402
 
 GOALS = {"lossless": 2.5, "lossy": 50.0, "fidelity_pct": 1.0, "stall": 1.2}
 
@@ -218,22 +220,24 @@ reports (with their own commands) are in `benchmarks/results/*.md`, raw figures 
 
 Where amber-store loses:
 
-- **Synchronous save time.** With format 3 (a few objects per step, chunks XORed, checksummed
+- **Synchronous save time.** With format {FORMAT_VERSION} (a few objects per step, chunks diffed, checksummed
   and compressed on both cores), `store.save` of the {gpt['raw_bytes'] / 1e6:.0f} MB GPT-like state takes
   {gpt['ratios']['amber save full']:.2f}x (full; a fresh store's first save
   {gpt['ratios']['amber save full (fresh store)']:.2f}x) / {gpt['ratios']['amber save delta']:.2f}x (delta) `torch.save`'s time, and
   {small['ratios']['amber save full']:.2f}x / {small['ratios']['amber save delta']:.2f}x for {small['tensors']} small tensors (goal 1.5x / 2x). torch.save writes
   to the page cache without compressing or fsyncing; amber-store compresses on both cores
-  (full steps lz4, about 2 GB/s; XOR deltas zstd, about 0.6 GB/s: `compressor="lz4"` trades
-  11% larger deltas for speed) and fsyncs each object as it lands (`durable=False`:
-  {gpt['ratios']['amber save delta (durable=False)']:.2f}x). `save_async` hides it: {gpt['stall']['ratio']:.2f}x / {small['stall']['ratio']:.2f}x a bare copy.
+  (full steps and large tensors' deltas lz4, packs zstd) and fsyncs each object as it lands
+  (`durable=False`: {gpt['ratios']['amber save delta (durable=False)']:.2f}x). Format 5's default, `codec="xor"` (zstd), takes
+  {gpt['ratios'][XOR_SAVE]:.2f}x / {small['ratios'][XOR_SAVE]:.2f}x for delta steps
+  {1 / gpt['delta_bytes_vs_xor']:.3f}x / {1 / small['delta_bytes_vs_xor']:.3f}x the size of the default's (depth-1 loads
+  {gpt['ratios'][XOR_LOAD]:.2f}x / {small['ratios'][XOR_LOAD]:.2f}x). `save_async` hides it: {gpt['stall']['ratio']:.2f}x / {small['stall']['ratio']:.2f}x a bare copy.
 - **Load time.** `load(lazy=False)` of a full step takes {gpt['ratios']['amber load full']:.2f}x `torch.load` from the page
   cache, a depth-1 step {gpt['ratios']['amber load depth 1']:.2f}x, the deepest step of a `full_every=10` segment
   ({gpt['footprint']['deepest chain']} layers: the default `auto` bases diff lossless tensors against the full step) {gpt['ratios']['amber load deepest']:.2f}x (goal 3x):
   every layer is decompressed, so `log` bases ({pol['log']['deepest chain']:.0f} layers) load the deepest step of a real
   training run {pol['log']['load s'] / pol['full']['load s']:.1f}x slower for {(1 - pol['log']['stored'] / pol['full']['stored']) * 100:.1f}% fewer bytes (base policies below).
 - **Lossless ratio on fp32 AdamW.** Every weight and both moments change at every step, so
-  only sign, exponent and high mantissa bits repeat: XOR deltas compress to {1 / f['lossless']:.2f} of
+  only sign, exponent and high mantissa bits repeat: lossless deltas compress to {1 / f['lossless']:.2f} of
   torch.save, not the {1 / GOALS['lossless']:.1f} the goal asks. Frozen tensors cost nothing (fine-tuning
   run), which is where lossless deltas shine.
 - **Lossy fidelity of the optimizer's first moment.** At `codec="lossy"`'s ratio, Adam's
@@ -242,7 +246,7 @@ Where amber-store loses:
   most bits to keep. Its error fades within a few dozen steps (beta1 = 0.9), which the
   {lossy_data['args']['resume_steps']}-step fidelity figure does not see; see the Pareto plot below for finer settings.
 
-## Format 3: save and load speed, footprint, base policies
+## Layout: save and load speed, footprint, base policies
 
 {layout_md}
 

@@ -163,7 +163,7 @@ def main() -> None:
     evaluator = Trainer(cfg, batch=args.batch, data=held_out)
     eval_batches = [evaluator.batch_at(10_000 + i) for i in range(8)]
     # every lossy codec, at three checkpoint intervals, is on benchmarks/lossy.py's Pareto plot
-    codecs = {"lossless": "xor", "lossy": "lossy", "quant4": "quant4"}
+    codecs = {"lossless": "lossless", "lossy": "lossy", "quant4": "quant4"}
     root = Path(tempfile.mkdtemp(prefix="amber-train-bench-"))
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
