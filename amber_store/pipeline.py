@@ -77,8 +77,8 @@ def _lossless_chunk(codec: LosslessDeltaCodec, value: np.ndarray, base: np.ndarr
                     typesize: int) -> tuple[list[bytes] | None, int]:
     """One chunk of a full step (no ``base``) or of a lossless delta (``codec``): (stored
     parts, or ``None`` when all zero; crc32c of the materialized bits). ``new_base``, if
-    given, receives the value. A chunk whose crc32c differs from its base's (or, in a full step, from zeros')
-    has changed: only an equal crc32c costs a comparison pass."""
+    given, receives the value. A chunk whose crc32c differs from its base's (or, in a full
+    step, from zeros') has changed: only an equal crc32c costs a comparison pass."""
     crc = crc32c.crc32c(value)
     if new_base is not None:
         np.copyto(new_base, value)
@@ -102,8 +102,8 @@ def _unchanged(value: np.ndarray, base: np.ndarray | None, crc: int, base_crc: i
 
 def _delta_chunk(codec: DeltaCodec, data: np.ndarray, side: np.ndarray | None, recon: np.ndarray, padded: int,
                  compression: Compression, typesize: int) -> tuple[list[bytes] | None, int]:
-    """One chunk of a precomputed delta (a lossless one from the device, or a lossy codec's): stored bytes and the
-    crc32c of the reconstruction."""
+    """One chunk of a precomputed delta (a lossless one from the device, or a lossy codec's):
+    stored bytes and the crc32c of the reconstruction."""
     crc = crc32c.crc32c(recon)
     if not data.any():
         return None, crc
@@ -261,11 +261,12 @@ class StepWriter:
     def add(self, key: str, tensor: torch.Tensor, base: Base | None, codec: DeltaCodec | None = None,
             layout: TensorEntry | None = None, keep: bool = True) -> None:
         """Encode ``tensor`` as ``key`` against ``base`` (``None``: full) with ``codec``
-        (default: the lossless :class:`~amber_store.codecs.DiffDeltaCodec`). A base of another shape or dtype, or a format-2 base, is
-        ignored: the tensor is then stored full. ``layout``: a format-3 entry whose chunking
-        and packing to keep (retention rewrites steps that later deltas build on). ``keep``:
-        whether the tensor's materialized value is returned (:attr:`Written.values`) as a later
-        save's base; without it, a lossless tensor on the host is not copied at all."""
+        (default: the lossless :class:`~amber_store.codecs.DiffDeltaCodec`). A base of another
+        shape or dtype, or a format-2 base, is ignored: the tensor is then stored full.
+        ``layout``: a format-3 entry whose chunking and packing to keep (retention rewrites
+        steps that later deltas build on). ``keep``: whether the tensor's materialized value is
+        returned (:attr:`Written.values`) as a later save's base; without it, a lossless tensor
+        on the host is not copied at all."""
         tensor = tensor.detach()
         name = dtype_name(tensor.dtype)
         shape = tuple(tensor.shape)

@@ -90,8 +90,9 @@ class Store:
         chunk_bytes: size of one chunk (the unit of lazy reads and of parallel compression).
         pack_threshold: tensors smaller than this (bytes) are packed into one object per step.
         compressor, compression_level: blosc compressor and its level: ``"auto"`` (default:
-            lz4 for full steps and for the default lossless deltas, zstd for XOR and lossy
-            deltas), ``"lz4"`` or ``"zstd"`` (smaller, slower); see :class:`~amber_store.codecs.Compression`.
+            lz4 for full steps and large tensors' lossless deltas, zstd for packs of small
+            tensors' deltas and for XOR and lossy deltas), ``"lz4"`` or ``"zstd"`` (smaller
+            lossless deltas, slower saves); see :class:`~amber_store.codecs.Compression`.
         verify_checksums: check each materialized chunk's crc32c on read (stored chunks are
             always checked before they are decoded).
         durable: make every data object durable (fsync) before the commit, on local disks.

@@ -31,8 +31,16 @@ from benchmarks.layout import XOR_LOAD, XOR_SAVE  # noqa: E402
 GOALS = {"lossless": 2.5, "lossy": 50.0, "fidelity_pct": 1.0, "stall": 1.2}
 
 
+REUSE: set[str] = set()  # benchmarks whose earlier reports --reuse takes
+REUSED: dict[str, str] = {}  # benchmark -> when its reused report was written
+
+
 def run(name: str, *args: str) -> tuple[str, dict]:
     out_json = RESULTS / f"{name}.json"
+    if name in REUSE:
+        REUSED[name] = datetime.datetime.fromtimestamp(out_json.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+        print(f"  {name}: reused ({REUSED[name]})", flush=True)
+        return (RESULTS / f"{name}.md").read_text().strip(), json.loads(out_json.read_text())
     script = HERE / f"{name.split('-')[0]}.py"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(script), *args, "--json", str(out_json)], capture_output=True, text=True)
@@ -166,7 +174,11 @@ def verdict(value: float, goal: float, higher_is_better: bool = True) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--reuse", nargs="+", default=[], metavar="NAME",
+                   help="take these benchmarks' reports from benchmarks/results/ (an earlier run of the same "
+                        "code, e.g. one a later benchmark stopped) instead of running them; the summary says so")
     args = p.parse_args()
+    REUSE.update(args.reuse)
     RESULTS.mkdir(exist_ok=True)
     started = time.perf_counter()
     print("running benchmarks:", flush=True)
@@ -201,12 +213,14 @@ def main() -> None:
     gpt, small = layout["results"]["gpt"], layout["results"]["small"]
     pol = policies["policies"]
     elapsed = time.perf_counter() - started
+    reused_note = (", except the reports of " + ", ".join(f"{k} ({v})" for k, v in REUSED.items()) +
+                   ", reused from an earlier run of the same code (`--reuse`)") if REUSED else ""
 
     summary = f"""# Benchmark results
 
-Produced by `make bench` (`python benchmarks/run.py{' --quick' if args.quick else ''}`) on
+Produced by `make bench` (`python benchmarks/run.py{' --quick' if args.quick else ''}{(' --reuse ' + ' '.join(args.reuse)) if args.reuse else ''}`) on
 {datetime.date.today().isoformat()}, in {elapsed / 60:.1f} minutes. Machine: {machine()}. Every figure below
-is measured in this one run; ratios compare methods on the same states. The per-benchmark
+is measured in this one run{reused_note}; ratios compare methods on the same states. The per-benchmark
 reports (with their own commands) are in `benchmarks/results/*.md`, raw figures in `*.json`.
 
 ## The goals, plainly
