@@ -219,8 +219,13 @@ class _PackStream:
 
 def _compressed_as(deltas: dict[str, int]) -> DeltaCodec | None:
     """The codec whose compression settings suit a pack part with ``deltas`` (encoding ->
-    bytes; none: raw values)."""
-    return DELTA_ENCODINGS[max(deltas, key=deltas.__getitem__)]() if deltas else None
+    bytes; none: raw values): the one with the most bytes, leaving out entropy-coded payloads
+    unless the part holds nothing else (a compressor neither gains nor loses on them, while
+    only framing the part would store its other deltas raw)."""
+    if not deltas:
+        return None
+    plain = {k: n for k, n in deltas.items() if not DELTA_ENCODINGS[k].entropy_coded} or deltas
+    return DELTA_ENCODINGS[max(plain, key=plain.__getitem__)]()
 
 
 class StepWriter:

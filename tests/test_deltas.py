@@ -283,3 +283,21 @@ def test_only_steps_a_later_save_diffs_against_keep_a_copy_of_their_values(local
         assert store.bases.recycle("w", fmt.to_bits(w)) is None
     store.save(3, {"w": w + 1, "b": w[0, :100] + 1})
     assert_bit_equal(store.load(3, lazy=False)["w"], w + 1)
+
+
+def test_a_pack_mixing_entropy_coded_and_lossless_deltas_still_compresses_the_lossless_ones(local_store, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    state = {f"coded{i}": torch.randn(20000, generator=g) for i in range(10)}  # packed, block-coded
+    state.update({f"exact{i}": torch.randn(200, generator=g) for i in range(30)})  # below min_numel: lossless
+    store = local_store(codec="lossy")
+    store.save(1, state)
+    store.save(2, {k: v * (1 + (0.3 if k.startswith("coded") else 1e-3) * torch.randn(v.shape, generator=g))
+                   for k, v in state.items()})
+    m = store.manifest(2)
+    assert {m.tensors[k].encoding for k in state} == {"block", "diff"}
+    pack = (tmp_path / "ckpt" / fmt.shard_key(m.packs["pack"]["array"], 1)).read_bytes()
+    offset, nbytes = m.packs["pack"]["index"][0]
+    frame = pack[offset: offset + nbytes - 4]
+    # Most of this part is entropy-coded, which blosc would only frame (level 0, lz4 named):
+    # that would store the lossless deltas raw. zstd codes them and costs the codes nothing.
+    assert blosc_settings(frame)[0] == "Zstd" and frame[2] >> 5 == 4
