@@ -163,12 +163,8 @@ class AmberStorageWriter(StorageWriter):
         writer = store.step_writer(decision.group, pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=bases.cache.recycle)
         keyed = {item_key(item.index, item.type): item for item in plan.items}
         tensors = {key: _item_tensor(planner.resolve_data(item)) for key, item in keyed.items()}
-        codecs = store.codecs_for(tensors)
-        refs = store.tensor_bases(decision.bases, codecs, cache=bases.cache)
-        keep = store.kept_as_base(decision.depth)
         try:
-            for key, tensor in tensors.items():
-                writer.add(key, tensor, refs.get(key), codecs[key], keep=keep[codecs[key].lossless])
+            store.add_tensors(writer, tensors, decision.bases, decision.depth, cache=bases.cache)
             written = writer.finish()
         finally:
             writer.close()
