@@ -16,7 +16,7 @@ import asyncio
 import functools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -161,15 +161,15 @@ class _PackStream:
         self.size = fmt.round_up(size, fmt.PACK_ALIGN)
         self.length = 0
         self.entries: list[TensorEntry] = []
-        self.widths: dict[int, int] = {}  # element width -> bytes, over the whole pack
-        self.deltas: dict[str, int] = {}  # delta encoding -> bytes, over the whole pack
+        self.widths: Counter[int] = Counter()  # element width -> bytes, over the whole pack
+        self.deltas: Counter[str] = Counter()  # delta encoding -> bytes, over the whole pack
         self._pool = pool
         self._compression = compression
         self._jobs: list[Future[list[bytes]]] = []
         self._part: np.ndarray | None = None
         self._fill = 0
-        self._part_widths: dict[int, int] = {}
-        self._part_deltas: dict[str, int] = {}
+        self._part_widths: Counter[int] = Counter()
+        self._part_deltas: Counter[str] = Counter()
 
     def append(self, entry: TensorEntry, data: np.ndarray, width: int) -> int:
         """Add one tensor's stored bytes (uint8); returns their offset in the stream."""
@@ -178,10 +178,10 @@ class _PackStream:
             self._write(np.zeros(gap, np.uint8), width, None)
         offset = self.length
         self.entries.append(entry)
-        self.widths[width] = self.widths.get(width, 0) + data.size
+        self.widths[width] += data.size
         delta = None if entry.base is None else entry.encoding
         if delta is not None:
-            self.deltas[delta] = self.deltas.get(delta, 0) + data.size
+            self.deltas[delta] += data.size
         self._write(data, width, delta)
         return offset
 
@@ -190,19 +190,20 @@ class _PackStream:
         done = 0
         while done < data.size:
             if self._part is None:
-                self._part, self._fill, self._part_widths, self._part_deltas = np.empty(self.size, np.uint8), 0, {}, {}
+                self._part, self._fill = np.empty(self.size, np.uint8), 0
+                self._part_widths, self._part_deltas = Counter(), Counter()
             n = min(data.size - done, self.size - self._fill)
             self._part[self._fill: self._fill + n] = data[done: done + n]
             self._fill += n
             done += n
-            self._part_widths[width] = self._part_widths.get(width, 0) + n
+            self._part_widths[width] += n
             if delta is not None:
-                self._part_deltas[delta] = self._part_deltas.get(delta, 0) + n
+                self._part_deltas[delta] += n
             if self._fill == self.size:
                 self._submit(self._part)
 
     def _submit(self, part: np.ndarray) -> None:
-        typesize = max(self._part_widths, key=self._part_widths.__getitem__)
+        typesize = _most(self._part_widths)
         kind = _compressed_as(self._part_deltas)
         self._jobs.append(self._pool.submit(self._compression.compress, part, typesize, kind, True))
         self._part = None
@@ -217,15 +218,20 @@ class _PackStream:
         return self.size, [job.result() for job in self._jobs]
 
 
-def _compressed_as(deltas: dict[str, int]) -> DeltaCodec | None:
+def _most(tally: Counter[Any]) -> Any:
+    """The key with the most bytes (the first such, on a tie)."""
+    return tally.most_common(1)[0][0]
+
+
+def _compressed_as(deltas: Counter[str]) -> DeltaCodec | None:
     """The codec whose compression settings suit a pack part with ``deltas`` (encoding ->
     bytes; none: raw values): the one with the most bytes, leaving out entropy-coded payloads
     unless the part holds nothing else (a compressor neither gains nor loses on them, while
     only framing the part would store its other deltas raw)."""
     if not deltas:
         return None
-    plain = {k: n for k, n in deltas.items() if not DELTA_ENCODINGS[k].entropy_coded} or deltas
-    return DELTA_ENCODINGS[max(plain, key=plain.__getitem__)]()
+    plain = Counter({k: n for k, n in deltas.items() if not DELTA_ENCODINGS[k].entropy_coded}) or deltas
+    return DELTA_ENCODINGS[_most(plain)]()
 
 
 class StepWriter:
@@ -307,9 +313,11 @@ class StepWriter:
         else:  # the raw bits on the host (a view for CPU tensors): diffed there, chunk by chunk
             bits = to_bits(tensor)
             host = bits_to_numpy(bits.to("cpu")).reshape(-1)
-            value = self._recycle(key, bits) if keep else None
-            if value is None and keep:
-                value = torch.empty(shape, dtype=bits.dtype)
+            value = None
+            if keep:
+                value = self._recycle(key, bits)
+                if value is None:
+                    value = torch.empty(shape, dtype=bits.dtype)
         if keep:
             self._out.values[key] = value
         if packed:
@@ -443,7 +451,7 @@ class StepWriter:
             return
         size, blobs = pack.finish()
         index, payload, _ = _shard(blobs)
-        typesize = max(pack.widths, key=pack.widths.__getitem__)
+        typesize = _most(pack.widths)
         kind = _compressed_as(pack.deltas)  # raw values when every packed tensor is (a full step)
         name = self._pack_name
         array = f"{self._group}/{name}"
