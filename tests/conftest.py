@@ -142,16 +142,22 @@ def all_keys(store: amber.Store, prefix: str = "") -> list[str]:
     return list(collect_aiterator(store.history.zstore.list_prefix(prefix)))
 
 
-def flip_stored_byte(root: Any, store: amber.Store, step: int, key: str) -> None:
-    """Damage the middle byte of the first stored chunk holding ``key`` at ``step`` (in its
-    shard, or in the step's pack), as a bad disk sector would."""
+def stored_chunk(root: Any, store: amber.Store, step: int, key: str) -> tuple[Any, int, int]:
+    """(file, offset, nbytes) of the first stored chunk holding ``key`` at ``step`` in a local
+    store at ``root``: in its shard, or in the step's pack. A chunk is a blosc frame, then its
+    crc32c (4 bytes)."""
     m = store.manifest(step)
     e = m.tensors[key]
     if e.pack is not None:
         pack = m.packs[e.pack[0]]
-        path, (offset, n) = root / fmt.shard_key(pack["array"], 1), pack["index"][e.pack[1] // pack["chunk"]]
-    else:
-        path, (offset, n) = root / fmt.shard_key(e.array, len(e.shape)), next(i for i in e.index if i)
+        return root / fmt.shard_key(pack["array"], 1), *pack["index"][e.pack[1] // pack["chunk"]]
+    return root / fmt.shard_key(e.array, len(e.shape)), *next(i for i in e.index if i)
+
+
+def flip_stored_byte(root: Any, store: amber.Store, step: int, key: str) -> None:
+    """Damage the middle byte of the first stored chunk holding ``key`` at ``step`` (in its
+    shard, or in the step's pack), as a bad disk sector would."""
+    path, offset, n = stored_chunk(root, store, step, key)
     data = bytearray(path.read_bytes())
     data[offset + n // 2] ^= 0x10
     path.write_bytes(bytes(data))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import crc32c
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from numcodecs import blosc
 
 import amber_store as amber
 from amber_store import format as fmt
-from conftest import all_keys, assert_bit_equal, assert_tree_bit_equal, is_data_key
+from conftest import all_keys, assert_bit_equal, assert_tree_bit_equal, is_data_key, stored_chunk
 
 
 def test_frozen_tensor_costs_zero_bytes_and_no_array_in_a_delta_step(make_store):
@@ -239,6 +241,12 @@ def test_integer_difference_deltas_of_slowly_moving_floats_are_smaller_than_xor(
     assert stored["lossless"][1] < 0.97 * stored["xor"][1]  # zstd (packs) against XOR with zstd
 
 
+def blosc_frame(root: Path, store: amber.Store, step: int, key: str) -> bytes:
+    """The blosc frame of the first stored chunk holding ``key`` at ``step``."""
+    path, offset, nbytes = stored_chunk(root, store, step, key)
+    return path.read_bytes()[offset: offset + nbytes - 4]  # a chunk ends with its crc32c
+
+
 def blosc_settings(frame: bytes) -> tuple[str, int]:
     """(compressor library, shuffle: 0 none, 1 byte, 2 bit) named by a blosc frame's header
     (its flags byte: bit 0 byte shuffle, bit 2 bit shuffle)."""
@@ -253,14 +261,9 @@ def test_lossless_deltas_of_large_tensors_default_to_lz4_bit_shuffled_and_packs_
     w, b = torch.randn(64, 1024), torch.randn(100)
     store.save(1, {"w": w, "b": b})
     store.save(2, {"w": w + 1e-3, "b": b + 1e-3})
-    m = store.manifest(2)
     root = tmp_path / "ckpt"  # local_store's
-    shard = (root / fmt.shard_key(m.tensors["w"].array, 2)).read_bytes()
-    offset, nbytes = m.tensors["w"].index[0]
-    pack = (root / fmt.shard_key(m.packs["pack"]["array"], 1)).read_bytes()
-    offset_p, nbytes_p = m.packs["pack"]["index"][0]
-    large = blosc_settings(shard[offset: offset + nbytes - 4])  # each chunk ends with its crc32c
-    packed = blosc_settings(pack[offset_p: offset_p + nbytes_p - 4])
+    large = blosc_settings(blosc_frame(root, store, 2, "w"))
+    packed = blosc_settings(blosc_frame(root, store, 2, "b"))
     expected = {"auto": (("LZ4", 2), ("Zstd", 1)), "zstd": (("Zstd", 1), ("Zstd", 1)),
                 "lz4": (("LZ4", 2), ("LZ4", 2))}[compressor]
     assert (large, packed) == expected
@@ -295,9 +298,7 @@ def test_a_pack_mixing_entropy_coded_and_lossless_deltas_still_compresses_the_lo
                    for k, v in state.items()})
     m = store.manifest(2)
     assert {m.tensors[k].encoding for k in state} == {"block", "diff"}
-    pack = (tmp_path / "ckpt" / fmt.shard_key(m.packs["pack"]["array"], 1)).read_bytes()
-    offset, nbytes = m.packs["pack"]["index"][0]
-    frame = pack[offset: offset + nbytes - 4]
+    frame = blosc_frame(tmp_path / "ckpt", store, 2, "exact0")
     # Most of this part is entropy-coded, which blosc would only frame (level 0, lz4 named):
     # that would store the lossless deltas raw. zstd codes them and costs the codes nothing.
     assert blosc_settings(frame)[0] == "Zstd" and frame[2] >> 5 == 4
