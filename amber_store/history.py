@@ -233,7 +233,7 @@ class History:
         self.last_commit = manifest.step
 
     async def _create(self, manifest: Manifest, latest: int | None) -> None:
-        if (now := (await self.steps() or [None])[-1]) != latest:
+        if (now := (await self.steps() or [None])[-1]) != latest and not await self._adopt(now, latest):
             raise ConcurrentWriterError(
                 f"{self.uri}: step {now} was committed by another writer while step "
                 f"{manifest.step} was being saved; this save was not committed"
@@ -259,15 +259,21 @@ class History:
         step of this very writer is a commit whose answer was lost (the server crashed or the
         connection dropped after storing it): it is adopted.
         """
-        if self.last_commit is not None and latest != self.last_commit:
+        if self.last_commit is not None and latest != self.last_commit and not await self._adopt(latest, self.last_commit):
             other = (await self.manifest(latest)).writer if latest is not None else "?"
-            if other == self.writer_id and latest is not None and latest > self.last_commit:
-                self.last_commit = latest
-                return
             raise ConcurrentWriterError(
                 f"{self.uri}: step {latest} was committed by another writer ({other}) after this "
                 f"writer's ({self.writer_id}) step {self.last_commit}; two jobs are writing one store"
             )
+
+    async def _adopt(self, step: int | None, after: int | None) -> bool:
+        """Whether ``step``, newer than ``after``, is a commit of this very writer whose answer
+        was lost or came too late (it may land while the next save runs); if so it becomes the
+        writer's last commit. One writer saves one step at a time, so no other case makes it."""
+        if step is None or (after is not None and step <= after) or (await self.manifest(step)).writer != self.writer_id:
+            return False
+        self.last_commit = step
+        return True
 
     async def replace(self, manifest: Manifest) -> None:
         """Atomically replace a committed step's manifest (retention's fold)."""

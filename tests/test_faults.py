@@ -19,6 +19,7 @@ from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
 from amber_store import format as fmt
+from amber_store.history import History
 from amber_store.uri import MAP_MIN_BYTES, put_if_absent, put_object, resolve
 from conftest import flip_stored_byte, is_data_key, save_at_once, assert_bit_equal, assert_tree_bit_equal
 
@@ -256,6 +257,35 @@ def test_a_commit_whose_answer_was_lost_is_adopted_by_its_writer_which_saves_on(
     assert store.steps() == [1, 2]  # it did commit
     store.save(3, states[3])  # the same writer goes on: step 2 is its own
     reader = make_store(mode="r")
+    for k, s in states.items():
+        assert_tree_bit_equal(reader.load(k, lazy=False), s)
+
+
+def test_a_commit_that_timed_out_and_lands_during_the_next_save_is_adopted_by_its_writer(make_store, monkeypatch):
+    store = make_store()
+    states = {k: {"x": torch.full((64,), float(k))} for k in (1, 2, 3)}
+    store.save(1, states[1])
+    late = []
+
+    async def no_answer_in_time(loc, key, data):
+        late.append((loc, key, data))  # the request is still on its way
+        raise TimeoutError
+
+    monkeypatch.setattr("amber_store.history.put_if_absent", no_answer_in_time)
+    with pytest.raises(amber.StorageAccessError, match="commit of step 2 got no answer in time"):
+        store.save(2, states[2])
+    monkeypatch.undo()
+    original = History._create
+
+    async def lands_meanwhile(self, manifest, latest):  # after step 3's save listed the steps
+        if late:
+            await put_if_absent(*late.pop())
+        return await original(self, manifest, latest)
+
+    monkeypatch.setattr(History, "_create", lands_meanwhile)
+    store.save(3, states[3])
+    reader = make_store(mode="r")
+    assert reader.steps() == [1, 2, 3]
     for k, s in states.items():
         assert_tree_bit_equal(reader.load(k, lazy=False), s)
 
