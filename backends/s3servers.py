@@ -228,7 +228,7 @@ class SeaweedFS(S3Server):
         (self.data_dir / "data").mkdir(exist_ok=True)
         p = self.ports
         return [
-            executable("weed"), "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            executable("weed"), "-logtostderr", "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
             f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",

@@ -8,6 +8,7 @@ that ignores conditional writes.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 import threading
@@ -201,17 +202,20 @@ def test_a_test_run_killed_hard_leaves_no_server_behind():
     code = ("import sys, time\n"
             "from backends.s3servers import SeaweedFS\n"
             "server = SeaweedFS().start()\n"
-            "print(server.pid, flush=True)\n"
+            "print(server.pid, server.data_dir, flush=True)\n"
             "time.sleep(600)\n")
     run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    pid = int(run.stdout.readline())
-    assert alive(pid)
-    run.kill()  # SIGKILL: no atexit, no fixture teardown
-    run.wait()
-    deadline = time.monotonic() + 30
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(pid), f"the server (pid {pid}) outlived the process that started it"
+    pid, data_dir = run.stdout.readline().split()
+    try:
+        assert alive(int(pid))
+        run.kill()  # SIGKILL: no atexit, no fixture teardown
+        run.wait()
+        deadline = time.monotonic() + 30
+        while alive(int(pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(int(pid)), f"the server (pid {pid}) outlived the process that started it"
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)  # its owner was killed before it could
 
 
 def alive(pid: int) -> bool:

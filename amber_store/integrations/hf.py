@@ -111,7 +111,8 @@ def resume_checkpoint(uri: str | os.PathLike[str], step: int | None = None, *,
     """Write ``step`` (default: the latest) of the store at ``uri`` as a Trainer checkpoint
     folder and return its path, for ``trainer.train(resume_from_checkpoint=...)``.
 
-    The folder (``output_dir``, default a new temporary directory) holds ``model.safetensors``,
+    The folder (``checkpoint-N`` under ``output_dir``, default a new temporary directory,
+    which the caller removes) holds ``model.safetensors``,
     ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` (if saved), ``rng_state.pth`` and
     ``trainer_state.json``, bit-identical to what the Trainer would have written.
     """
