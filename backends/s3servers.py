@@ -238,6 +238,17 @@ class SeaweedFS(S3Server):
             f"-filer.localSocket={self.data_dir / 'filer.sock'}", f"-s3.localSocket={self.data_dir / 's3.sock'}",
         ]
 
+    def sockets(self) -> list[Path]:
+        """The unix sockets weed makes in /tmp for its gRPC services (where is not
+        configurable); a server killed or stopped before it removes them leaves them there."""
+        return [Path(f"/tmp/seaweedfs-{service.removesuffix('.grpc')}-grpc-{port}.sock")
+                for service, port in self.ports.items() if service.endswith(".grpc")]
+
+    def close(self) -> None:
+        super().close()
+        for path in self.sockets():
+            path.unlink(missing_ok=True)
+
 
 class RcloneS3(S3Server):
     """``rclone serve s3`` over a directory: a working S3 server that ignores ``If-None-Match``

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import amber_store as amber
 from amber_store import format as fmt
 from amber_store.history import History
 from amber_store.uri import MAP_MIN_BYTES, put_if_absent, put_object, resolve
-from conftest import flip_stored_byte, is_data_key, save_at_once, assert_bit_equal, assert_tree_bit_equal
+from conftest import flip_stored_byte, is_data_key, stored_chunk, save_at_once, assert_bit_equal, assert_tree_bit_equal
 
 
 class FailingStore(WrapperStore):
@@ -68,11 +67,6 @@ def test_interrupted_save_leaves_prior_steps_intact_and_the_step_invisible(tmp_p
     assert_tree_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2, lazy=False), s2)
 
 
-def shard_file(root: Path, store: amber.Store, step: int, key: str) -> Path:
-    e = store.manifest(step).tensors[key]
-    return root / fmt.shard_key(e.array, len(e.shape))
-
-
 @pytest.mark.parametrize("pack_threshold", [0, fmt.DEFAULT_PACK_THRESHOLD], ids=["sharded", "packed"])
 def test_flipped_byte_in_a_chunk_is_detected_naming_step_and_tensor(local_store, tmp_path, pack_threshold):
     store = local_store(pack_threshold=pack_threshold)
@@ -94,7 +88,7 @@ def test_a_chunk_swapped_for_another_valid_one_fails_the_materialized_checksum(l
     store = local_store(pack_threshold=0)
     s = {"t0": torch.full((32, 32), 0.5), "t1": torch.full((32, 32), -2.0)}  # equal-sized objects
     store.save(1, s)
-    a, b = shard_file(tmp_path / "ckpt", store, 1, "t0"), shard_file(tmp_path / "ckpt", store, 1, "t1")
+    a, b = (stored_chunk(tmp_path / "ckpt", store, 1, key)[0] for key in ("t0", "t1"))
     assert a.stat().st_size == b.stat().st_size
     a.write_bytes(b.read_bytes())  # a well-formed object, but the wrong data
     with pytest.raises(amber.CorruptDataError, match=r"tensor 't0', chunk \(0, 0\): checksum mismatch"):
@@ -105,10 +99,8 @@ def test_a_chunk_swapped_for_another_valid_one_fails_the_materialized_checksum(l
 def test_a_missing_object_is_reported_as_corruption(local_store, tmp_path, pack_threshold):
     store = local_store(pack_threshold=pack_threshold)
     store.save(1, state(0))
-    m = store.manifest(1)
-    e = m.tensors["t4"]
-    (tmp_path / "ckpt" / (fmt.shard_key(m.packs["pack"]["array"], 1) if e.pack else shard_file(tmp_path / "ckpt", store, 1, "t4"))).unlink()
-    with pytest.raises(amber.CorruptDataError, match="pack object .* is missing" if e.pack else "t4"):
+    stored_chunk(tmp_path / "ckpt", store, 1, "t4")[0].unlink()  # its shard, or the step's pack
+    with pytest.raises(amber.CorruptDataError, match="pack object .* is missing" if pack_threshold else "t4"):
         local_store(mode="r").load(1, lazy=False)
 
 
@@ -131,7 +123,7 @@ def test_large_local_objects_are_read_mapped_and_a_truncated_one_is_reported_as_
     store.save(1, {"w": w})
     w2 = w + 1e-3 * torch.randn(1024, 1024)  # every element changes: a large delta object too
     store.save(2, {"w": w2})
-    path = shard_file(tmp_path / "ckpt", store, 2, "w")
+    path = stored_chunk(tmp_path / "ckpt", store, 2, "w")[0]
     assert path.stat().st_size >= MAP_MIN_BYTES
     zstore = local_store(mode="r").history.zstore
     got = sync(zstore.get(str(path.relative_to(tmp_path / "ckpt")), default_buffer_prototype()))

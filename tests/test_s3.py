@@ -202,10 +202,10 @@ def test_a_test_run_killed_hard_leaves_no_server_behind():
     code = ("import sys, time\n"
             "from backends.s3servers import SeaweedFS\n"
             "server = SeaweedFS().start()\n"
-            "print(server.pid, server.data_dir, flush=True)\n"
+            "print(server.pid, server.data_dir, *server.sockets(), flush=True)\n"
             "time.sleep(600)\n")
     run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    pid, data_dir = run.stdout.readline().split()
+    pid, data_dir, *sockets = run.stdout.readline().split()
     try:
         assert alive(int(pid))
         run.kill()  # SIGKILL: no atexit, no fixture teardown
@@ -214,8 +214,10 @@ def test_a_test_run_killed_hard_leaves_no_server_behind():
         while alive(int(pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(int(pid)), f"the server (pid {pid}) outlived the process that started it"
-    finally:
-        shutil.rmtree(data_dir, ignore_errors=True)  # its owner was killed before it could
+    finally:  # what its killed owner could not remove
+        shutil.rmtree(data_dir, ignore_errors=True)
+        for socket in sockets:
+            Path(socket).unlink(missing_ok=True)
 
 
 def alive(pid: int) -> bool:
