@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import base64
+import functools
 import hashlib
 import mmap
 import os
@@ -202,7 +203,27 @@ def _s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
     # s3fs caches filesystems by their arguments, not by the environment: a cached one would
     # keep the credentials (or their absence) of an earlier open.
     opts.setdefault("skip_instance_cache", True)
+    if "session" not in opts:
+        opts["session"] = _session(opts.get("profile"))
     return opts
+
+
+def _session(profile: str | None) -> Any:
+    """A new botocore session (credentials and configuration read afresh) that shares one
+    loader of botocore's service models with every other: parsing them took 0.13-0.34 s of
+    each S3 open, 0.01 s once loaded (measured on SeaweedFS)."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession(profile=profile)
+    session.register_component("data_loader", _models(session.get_config_variable("data_path")))
+    return session
+
+
+@functools.cache
+def _models(data_path: str | None) -> Any:
+    from botocore.loaders import create_loader
+
+    return create_loader(data_path)
 
 
 def resolve(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, read_only: bool = False) -> Location:

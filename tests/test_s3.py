@@ -346,6 +346,29 @@ def test_unreachable_endpoint_fails_at_open(s3_uri):
         amber.open(s3_uri, opts)
 
 
+def test_each_open_reads_the_credentials_afresh_from_the_environment(s3_server, s3_uri, monkeypatch):
+    opts = s3_server.storage_options()
+    endpoint = {"endpoint_url": opts["endpoint_url"]}
+    amber.open(s3_uri, opts).save(1, state(1))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret"])
+    assert amber.open(s3_uri, endpoint, mode="r").steps() == [1]
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(amber.StorageAccessError, match="no valid credentials"):  # none kept from the last open
+        amber.open(s3_uri, endpoint, mode="r")
+
+
+def test_a_named_profile_of_the_aws_credentials_file_is_used(s3_server, s3_uri, monkeypatch, tmp_path):
+    opts = s3_server.storage_options()
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[amber]\naws_access_key_id = {opts['key']}\naws_secret_access_key = {opts['secret']}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    amber.open(s3_uri, opts).save(1, state(1))
+    reader = amber.open(s3_uri, {"endpoint_url": opts["endpoint_url"], "profile": "amber"}, mode="r")
+    assert_tree_bit_equal(reader.load(1, lazy=False), state(1))
+
+
 def test_endpoint_and_credentials_come_from_the_standard_aws_environment(s3_server, s3_uri, monkeypatch):
     opts = s3_server.storage_options()
     monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
