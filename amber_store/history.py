@@ -233,7 +233,8 @@ class History:
         self.last_commit = manifest.step
 
     async def _create(self, manifest: Manifest, latest: int | None) -> None:
-        if (now := (await self.steps() or [None])[-1]) != latest and not await self._adopt(now, latest):
+        now = (await self.steps() or [None])[-1]
+        if now != latest and not (now is not None and now < manifest.step and await self._adopt(now, latest)):
             raise ConcurrentWriterError(
                 f"{self.uri}: step {now} was committed by another writer while step "
                 f"{manifest.step} was being saved; this save was not committed"

@@ -5,7 +5,7 @@ prints a markdown report (kept in benchmarks/results/NAME.md) and writes its raw
 JSON; this script turns those into the plots and the summary, whose every figure is a ratio
 against a peer measured in the same run.
 
-    python benchmarks/run.py            # about 40 minutes on 2 cores
+    python benchmarks/run.py            # about 55 minutes on 2 cores
     python benchmarks/run.py --quick    # a few minutes, smaller workloads
 """
 
@@ -193,6 +193,8 @@ def main() -> None:
     dcp_md, _ = run("dcp_bench", *(["--width", "128", "--layers", "2", "--warmup", "30"] if args.quick else []))
     codecs_md, _ = run("codecs_bench", "--mb", "32" if args.quick else "64")
     lossy_md, lossy_data = run("lossy", *(["--quick"] if args.quick else []))
+    seeds_md, _ = run("resume_seeds", *(["--steps", "100", "--resume-steps", "60", "--width", "128", "--layers", "2",
+                                         "--seeds", "2"] if args.quick else ["--seeds", "3"]))
     sweep_md, sweep = run("sweep", "--sizes", *(["5", "12"] if args.quick else ["5", "12", "25", "50", "100"]))
     layout_md, layout = run("layout", *(["--params", "10", "--small", "500", "--policy-params", "5", "--repeats", "2"]
                                         if args.quick else ["--repeats", "2"]))
@@ -301,6 +303,10 @@ Where amber-store loses:
 ![bytes per delta step vs resumed loss change](results/lossy.png)
 
 {lossy_md}
+
+## Lossy resumes on several data streams
+
+{seeds_md}
 
 ## Encode throughput
 
