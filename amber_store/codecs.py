@@ -233,9 +233,10 @@ _BLOCK_BYTES = 256 << 10
 
 
 def _blocks(*arrays: np.ndarray) -> Iterator[tuple[np.ndarray, ...]]:
-    """Matching flat pieces of same-shaped ``arrays``, :data:`_BLOCK_BYTES` at a time (all of
-    them at once unless every one is C-contiguous)."""
-    if not all(a.flags.c_contiguous for a in arrays):
+    """Matching flat pieces of same-shaped ``arrays``, :data:`_BLOCK_BYTES` at a time; all at
+    once when they fit in one piece (a pack's small tensors come by the thousand: no per-piece
+    work for them) or are not all C-contiguous."""
+    if arrays[0].nbytes <= _BLOCK_BYTES or not all(a.flags.c_contiguous for a in arrays):
         yield arrays
         return
     flat = [a.reshape(-1) for a in arrays]
