@@ -19,7 +19,7 @@ from zarr.core.buffer import Buffer, default_buffer_prototype
 from . import format as fmt
 from . import uri
 from .errors import (ConcurrentWriterError, CorruptDataError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError,
-                     StepNotFoundError, StorageAccessError)
+                     StepNotFoundError, StepOrderError, StorageAccessError)
 from .format import Manifest, TensorEntry
 from .uri import Location, footprint, put_atomic, put_if_absent, storage_errors
 
@@ -234,10 +234,15 @@ class History:
 
     async def _create(self, manifest: Manifest, latest: int | None) -> None:
         now = (await self.steps() or [None])[-1]
-        if now != latest and not (now is not None and now < manifest.step and await self._adopt(now, latest)):
+        if now != latest and not (now is not None and await self._adopt(now, latest)):
             raise ConcurrentWriterError(
                 f"{self.uri}: step {now} was committed by another writer while step "
                 f"{manifest.step} was being saved; this save was not committed"
+            )
+        if now is not None and now >= manifest.step:
+            raise StepOrderError(
+                f"{self.uri}: step {now}, whose commit by this writer had got no answer in time, landed "
+                f"while step {manifest.step} was being saved; step {manifest.step} is not newer and was not committed"
             )
         key = fmt.commit_key(manifest.step)
         if not await put_if_absent(self.loc, key, manifest.to_json()) and not await self._is_ours(key, manifest):

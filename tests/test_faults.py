@@ -253,33 +253,40 @@ def test_a_commit_whose_answer_was_lost_is_adopted_by_its_writer_which_saves_on(
         assert_tree_bit_equal(reader.load(k, lazy=False), s)
 
 
-def test_a_commit_that_timed_out_and_lands_during_the_next_save_is_adopted_by_its_writer(make_store, monkeypatch):
+@pytest.mark.parametrize("late, following", [(2, 3), (3, 2)], ids=["newer-step-follows", "older-step-follows"])
+def test_a_commit_that_timed_out_and_lands_during_the_next_save_is_adopted_by_its_writer(make_store, monkeypatch,
+                                                                                        late, following):
     store = make_store()
-    states = {k: {"x": torch.full((64,), float(k))} for k in (1, 2, 3)}
+    states = {k: {"x": torch.full((64,), float(k))} for k in (1, 2, 3, 4)}
     store.save(1, states[1])
-    late = []
+    sent = []
 
     async def no_answer_in_time(loc, key, data):
-        late.append((loc, key, data))  # the request is still on its way
+        sent.append((loc, key, data))  # the request is still on its way
         raise TimeoutError
 
     monkeypatch.setattr("amber_store.history.put_if_absent", no_answer_in_time)
-    with pytest.raises(amber.StorageAccessError, match="commit of step 2 got no answer in time"):
-        store.save(2, states[2])
+    with pytest.raises(amber.StorageAccessError, match=f"commit of step {late} got no answer in time"):
+        store.save(late, states[late])
     monkeypatch.undo()
     original = History._create
 
-    async def lands_meanwhile(self, manifest, latest):  # after step 3's save listed the steps
-        if late:
-            await put_if_absent(*late.pop())
+    async def lands_meanwhile(self, manifest, latest):  # after the next save listed the steps
+        if sent:
+            await put_if_absent(*sent.pop())
         return await original(self, manifest, latest)
 
     monkeypatch.setattr(History, "_create", lands_meanwhile)
-    store.save(3, states[3])
+    if following > late:
+        store.save(following, states[following])
+    else:  # the writer's own late step, not another writer's, is what makes this one too old
+        with pytest.raises(amber.StepOrderError, match=f"step {late}, whose commit by this writer had got no answer"):
+            store.save(following, states[following])
+    store.save(4, states[4])  # either way the writer goes on
     reader = make_store(mode="r")
-    assert reader.steps() == [1, 2, 3]
-    for k, s in states.items():
-        assert_tree_bit_equal(reader.load(k, lazy=False), s)
+    assert reader.steps() == sorted({1, late, 4} | ({following} if following > late else set()))
+    for k in reader.steps():
+        assert_tree_bit_equal(reader.load(k, lazy=False), states[k])
 
 
 def test_a_writer_stops_once_another_writer_has_committed_after_it(make_store):
