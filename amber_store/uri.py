@@ -438,9 +438,14 @@ async def probe(loc: Location) -> None:
         raise NotAnAmberStoreError(f"{loc.uri}: no amber-store here (nothing to read)")
     if loc.fs is None:
         return
-    bucket = loc.path.split("/", 1)[0]
+    bucket, _, prefix = loc.path.partition("/")
     try:
-        await loc.fs._ls(bucket, refresh=True) if loc.scheme == "s3" else await loc.fs._info(loc.path)
+        if loc.scheme == "s3":
+            # One request, within the store's own prefix: a listing of the bucket's root pages
+            # through every top-level entry, and an access policy may allow only this prefix.
+            await loc.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+        else:
+            await loc.fs._info(loc.path)
     except FileNotFoundError:
         if loc.scheme == "s3":
             raise StorageAccessError(f"{loc.uri}: bucket {bucket!r} does not exist") from None

@@ -369,6 +369,23 @@ def test_a_named_profile_of_the_aws_credentials_file_is_used(s3_server, s3_uri, 
     assert_tree_bit_equal(reader.load(1, lazy=False), state(1))
 
 
+def test_open_lists_only_within_the_stores_own_prefix(s3_server, s3_uri):
+    from aiobotocore.session import AioSession
+
+    opts = s3_server.storage_options()
+    amber.open(s3_uri, opts).save(1, state(1))
+    calls: list[tuple[str, dict]] = []
+    session = AioSession()  # a caller's own session: its hooks see every request
+    session.register("before-parameter-build.s3", lambda model, params, **_: calls.append((model.name, dict(params))))
+    reader = amber.open(s3_uri, {**opts, "session": session}, mode="r")
+    assert reader.steps() == [1]
+    prefix = s3_uri.split("/", 3)[3] + "/"
+    listings = [params for name, params in calls if name.startswith("ListObjects")]
+    # not the bucket's root: paging through every other run there, and perhaps not allowed
+    assert listings and all(p["Prefix"].startswith(prefix) for p in listings), listings
+    assert listings[0].get("MaxKeys") == 1  # the probe at open: one question
+
+
 def test_endpoint_and_credentials_come_from_the_standard_aws_environment(s3_server, s3_uri, monkeypatch):
     opts = s3_server.storage_options()
     monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
