@@ -79,6 +79,52 @@ def relative_errors(restored: dict, exact: dict) -> dict[str, float]:
     return {k: (num[k] / den[k]) ** 0.5 if den[k] else 0.0 for k in num}
 
 
+class Run:
+    """The training run the lossy benchmarks checkpoint and resume: TinyGPT with AdamW on
+    Python's standard-library sources, held-out loss on 16 batches of the last 5%."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.manual_seed(0)
+        self.args = args
+        self.cfg = GPTConfig(context=args.context, width=args.width, layers=args.layers, heads=4)
+        text = corpus(4_000_000)
+        split = int(len(text) * 0.95)
+        self.train_text = text[:split]
+        self.trainer = Trainer(self.cfg, batch=args.batch, data=self.train_text)
+        evaluator = Trainer(self.cfg, batch=args.batch, data=text[split:])
+        self.eval_batches = [evaluator.batch_at(10_000 + i) for i in range(16)]
+
+    def checkpoints(self, step: int, every: int) -> bool:
+        """Whether a store checkpointing ``every`` steps saves ``step`` (the 1-step interval:
+        the last 50 steps only)."""
+        return step % every == 0 and (every > 1 or step > self.args.steps - 50)
+
+    def resume(self, state: dict, seed: int = 0) -> float:
+        """Held-out loss after resuming from (a copy of) ``state`` at the run's last step and
+        training ``--resume-steps`` more on data stream ``seed`` (0: the run's own), averaged
+        over the last 100 steps (6 evaluations): one loss spike at the very end would otherwise
+        decide the figure."""
+        last, more = self.args.steps, self.args.resume_steps
+        t = Trainer(self.cfg, seed=seed, batch=self.args.batch, data=self.train_text, init_seed=1234)
+        t.load(torch.load(_serialized(state), weights_only=False))
+        losses = []
+        for step in range(last + 1, last + more + 1):
+            t.step(step)
+            if (last + more - step) % 20 == 0 and last + more - step <= 100:
+                losses.append(eval_loss(t.model, self.eval_batches))
+        return statistics.mean(losses)
+
+
+def perturbed(state: dict, seed: int) -> dict:
+    """A copy of ``state`` with every float multiplied by 1 + 1e-5 noise: the noise floor."""
+    g = torch.Generator().manual_seed(seed)
+    noisy = torch.load(_serialized(state), weights_only=False)
+    for t in flat_tensors(noisy).values():
+        if t.is_floating_point() and t.numel() > 1:
+            t.mul_(1 + 1e-5 * torch.randn(t.shape, generator=g, dtype=t.dtype))
+    return noisy
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     training_run_args(p)
@@ -88,13 +134,8 @@ def main() -> None:
     intervals = [1, 10, 50]
     if args.quick:
         args.steps, args.resume_steps, args.width, args.layers, intervals = 100, 60, 128, 2, [10]
-    torch.manual_seed(0)
-    cfg = GPTConfig(context=args.context, width=args.width, layers=args.layers, heads=4)
-    text = corpus(4_000_000)
-    split = int(len(text) * 0.95)
-    trainer = Trainer(cfg, batch=args.batch, data=text[:split])
-    evaluator = Trainer(cfg, batch=args.batch, data=text[split:])
-    eval_batches = [evaluator.batch_at(10_000 + i) for i in range(16)]
+    run = Run(args)
+    trainer = run.trainer
     grid = [(name, policy, every) for every in intervals for name, policy in policies().items()
             if every == 10 or name in EDGE_INTERVALS]
     root = Path(tempfile.mkdtemp(prefix="amber-lossy-bench-"))
@@ -109,7 +150,7 @@ def main() -> None:
         for step in range(1, args.steps + 1):
             trainer.step(step)
             for (name, every), store in stores.items():
-                if step % every == 0 and (every > 1 or step > args.steps - 50):
+                if run.checkpoints(step, every):
                     started = time.perf_counter()
                     info = store.save(step, trainer.state(step))
                     saved[(name, every)].append((store.manifest(step).kind, info.nbytes_stored,
@@ -117,28 +158,8 @@ def main() -> None:
         train_s = time.perf_counter() - t0
         exact = torch.load(_serialized(trainer.state(last)), weights_only=False)  # a deep, detached copy
         torch_save_bytes = len(_serialized(exact).getbuffer())
-
-        def resume(state: dict) -> float:
-            """Held-out loss after resuming, averaged over the last 100 steps (6 evaluations):
-            one loss spike at the very end would otherwise decide the figure."""
-            t = Trainer(cfg, batch=args.batch, data=text[:split], init_seed=1234)
-            t.load(state)
-            losses = []
-            for step in range(last + 1, last + args.resume_steps + 1):
-                t.step(step)
-                if (last + args.resume_steps - step) % 20 == 0 and last + args.resume_steps - step <= 100:
-                    losses.append(eval_loss(t.model, eval_batches))
-            return statistics.mean(losses)
-
-        reference = resume(torch.load(_serialized(exact), weights_only=False))
-        floor = []
-        for seed in (1, 2):
-            g = torch.Generator().manual_seed(seed)
-            noisy = torch.load(_serialized(exact), weights_only=False)
-            for t in flat_tensors(noisy).values():
-                if t.is_floating_point() and t.numel() > 1:
-                    t.mul_(1 + 1e-5 * torch.randn(t.shape, generator=g, dtype=t.dtype))
-            floor.append((resume(noisy) / reference - 1) * 100)
+        reference = run.resume(exact)
+        floor = [(run.resume(perturbed(exact, seed)) / reference - 1) * 100 for seed in (1, 2)]
         rows, points = [], []
         for (name, every), store in stores.items():
             deltas = [(n, s) for kind, n, s in saved[(name, every)] if kind == "delta"]
@@ -148,7 +169,7 @@ def main() -> None:
             if name != "lossless":
                 restored = store.load(last, lazy=False)
                 point["errors"] = relative_errors(restored, exact)
-                point["loss"] = resume(restored)
+                point["loss"] = run.resume(restored)
                 point["loss_change_pct"] = (point["loss"] / reference - 1) * 100
             points.append(point)
     finally:
