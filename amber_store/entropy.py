@@ -12,6 +12,14 @@ A coded block is, little-endian::
     u8 span    symbols in use minus one (largest - smallest)
     u32[span + 1] counts   how often each symbol occurs (the model; zero for unused ones)
     u32 nwords, u32[nwords] the ANS stream (none when only one symbol occurs)
+
+Most codes of a lossy delta are zero, and the coder's cost is per symbol (and it holds the GIL:
+one core however many threads), so a chunk's codes (format 7, :func:`encode_codes`) may be
+stored *sparse*: the gaps between nonzero codes, as deflate codes distances (a coded bit-length
+class and raw low bits: within 2% of the entropy of geometric gaps), then only those codes. Two
+coded symbols per nonzero code instead of one per code: per 1M codes with 2% nonzero, 3.1 ms to
+encode instead of 17 and 2.3 ms to decode instead of 29, 0.8% larger (measured here). Past
+15-20% nonzero the dense block is faster.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ def ans_encode(codes: np.ndarray) -> bytes:
     counts = np.bincount(symbols, minlength=1)
     used = np.flatnonzero(counts)
     if used.size == 0:
-        return bytes(6)
+        return bytes(10)  # an empty block: one (zero) count, no words
     first, last = int(used[0]), int(used[-1])
     counts = counts[first: last + 1].astype("<u4")
     head = bytes([first, last - first]) + counts.tobytes()
@@ -64,6 +72,101 @@ def ans_decode(raw: np.ndarray, n: int) -> tuple[np.ndarray, int]:
         words = raw[end + 4: stop].view("<u4").astype(np.uint32)
         symbols = AnsCoder(words).decode(_model(counts), n) + first
     return (symbols.astype(np.uint8) ^ np.uint8(0x80)).view(np.int8), stop
+
+
+DENSE, SPARSE = 0, 1
+#: the densest chunks stored sparse (nonzero codes per code) and the fewest codes (measured)
+_SPARSE_AT_MOST, _SPARSE_MIN_CODES = 0.15, 1 << 16
+
+
+def encode_codes(codes: np.ndarray) -> bytes:
+    """``codes`` (int8, flat) as ``u8 layout`` and then, for :data:`DENSE`, one coded block of
+    the codes; for :data:`SPARSE`, the positions of the ``k`` nonzero codes as gaps (the zeros
+    before each), then those codes: ``u32 k``, a coded block of the gaps' classes (a gap's bit
+    length, 0 to 32), ``u32 m`` and ``m`` bytes of the gaps' extra bits (a gap of class
+    ``c >= 2`` is ``2^(c-1) + x``, ``x`` in ``c - 1`` bits, least significant first, packed
+    little-endian bit order), a coded block of the ``k`` codes."""
+    if _SPARSE_MIN_CODES <= codes.size < 1 << 32:
+        nonzero = codes != 0  # (flatnonzero of this: a third of the time of flatnonzero on int8)
+        if np.count_nonzero(nonzero) <= _SPARSE_AT_MOST * codes.size:
+            at = np.flatnonzero(nonzero)
+            classes, extra = _gaps_encode(np.diff(at, prepend=-1) - 1)
+            return b"".join([bytes([SPARSE]), np.uint32(at.size).astype("<u4").tobytes(), ans_encode(classes),
+                             np.uint32(extra.size).astype("<u4").tobytes(), extra.tobytes(), ans_encode(codes[at])])
+    return bytes([DENSE]) + ans_encode(codes)
+
+
+def decode_codes(raw: np.ndarray, n: int) -> tuple[np.ndarray, int]:
+    """The ``n`` codes of :func:`encode_codes`'s bytes at the start of ``raw`` (uint8), and the
+    number of bytes they took. Raises ``ValueError`` on a malformed block."""
+    if raw.size < 1 or raw[0] not in (DENSE, SPARSE):
+        raise ValueError("unknown layout of entropy-coded codes")
+    if raw[0] == DENSE:
+        codes, used = ans_decode(raw[1:], n)
+        return codes, used + 1
+    if raw.size < 5:
+        raise ValueError("truncated entropy-coded codes")
+    k = int(raw[1:5].view("<u4")[0])
+    classes, at = ans_decode(raw[5:], k)
+    at += 5
+    if raw.size < at + 4:
+        raise ValueError("truncated entropy-coded codes")
+    m = int(raw[at: at + 4].view("<u4")[0])
+    extra = raw[at + 4: at + 4 + m]
+    at += 4 + m
+    positions = np.cumsum(_gaps_decode(classes, extra) + 1) - 1
+    kept, used = ans_decode(raw[at:], k)
+    if k and (positions[-1] >= n or (kept == 0).any()):
+        raise ValueError("malformed entropy-coded codes")
+    codes = np.zeros(n, dtype=np.int8)
+    codes[positions] = kept
+    return codes, at + used
+
+
+def _gaps_encode(gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(classes as int8, packed extra bits) of ``gaps`` (int64, >= 0): a class and raw low bits,
+    as deflate codes distances: within 2% of the entropy of geometric gaps (measured), with
+    one coded symbol per gap."""
+    classes = np.frexp(gaps)[1].astype(np.int64)  # the bit length: exact for integers below 2^53
+    width = np.maximum(classes - 1, 0)
+    low = (gaps - np.where(classes > 0, np.left_shift(1, width), 0)).astype(np.uint64)
+    # Each gap's bits go to bit `start` of a little-endian stream of u64 words: at most two
+    # words, gaps in order, bits never overlapping, so OR-reducing each word's parts packs it.
+    start = (np.cumsum(width) - width).astype(np.uint64)
+    total = int(width.sum())
+    words = np.zeros(total // 64 + 2, dtype=np.uint64)
+    word, shift = start >> np.uint64(6), start & np.uint64(63)
+    _or_into(words, word, low << shift)
+    spill = (shift > 0) & (width.astype(np.uint64) + shift > 64)
+    _or_into(words, word[spill] + np.uint64(1), low[spill] >> (np.uint64(64) - shift[spill]))
+    return classes.astype(np.int8), words.astype("<u8").view(np.uint8)[: -(-total // 8)]
+
+
+def _or_into(words: np.ndarray, index: np.ndarray, parts: np.ndarray) -> None:
+    """``words[index] |= parts`` for sorted ``index`` with repeats."""
+    if index.size:
+        first = np.flatnonzero(np.concatenate(([True], index[1:] != index[:-1])))
+        words[index[first]] |= np.bitwise_or.reduceat(parts, first)
+
+
+def _gaps_decode(classes: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """The gaps (int64) of :func:`_gaps_encode`'s output."""
+    classes = classes.astype(np.int64)
+    if classes.size and (classes.min() < 0 or classes.max() > 32):
+        raise ValueError("malformed entropy-coded gaps")
+    width = np.maximum(classes - 1, 0)
+    total = int(width.sum())
+    if extra.size != -(-total // 8):
+        raise ValueError("malformed entropy-coded gaps")
+    words = np.zeros(total // 64 + 2, dtype="<u8")
+    words.view(np.uint8)[: extra.size] = extra
+    start = (np.cumsum(width) - width).astype(np.uint64)
+    word, shift = start >> np.uint64(6), start & np.uint64(63)
+    low = words[word] >> shift
+    # (a shift by 64 is undefined: the next word contributes only when the shift is not 0)
+    nxt = np.where(shift > 0, words[word + np.uint64(1)] << ((np.uint64(64) - shift) & np.uint64(63)), np.uint64(0))
+    low = (low | nxt) & ((np.uint64(1) << width.astype(np.uint64)) - np.uint64(1))
+    return np.where(classes > 0, np.left_shift(1, width) + low.astype(np.int64), 0)
 
 
 def _model(counts: np.ndarray) -> constriction.stream.model.Categorical:

@@ -34,7 +34,10 @@ FORMAT_NAME = "amber-store"
 # that are not str/int), and aliased tensors stored once (several nodes name one tensor key).
 # 5: entropy-coded lossy encodings block and ratio (codecs amber.block_delta, amber.ratio_delta,
 # serializer amber.ans).
-FORMAT_VERSION = 6
+# 6: lossless diff encoding (codec amber.diff_delta), the writers' default lossless delta.
+# 7: entropy-coded chunks may store their codes sparse (the gaps between nonzero codes, then those),
+# behind a layout byte; entries say so in params["sparse_codes"], amber.ans in its configuration.
+FORMAT_VERSION = 7
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
 STEPS_DIR = "steps"

@@ -297,7 +297,8 @@ class StepWriter:
             codec = codec.with_base(base.step, base.entry.array or "")
         delta = None
         if base is not None and (tensor.device.type != "cpu" or not isinstance(codec, LosslessDeltaCodec)):
-            delta = codec.diff(tensor, base.bits, chunks)
+            out = self._recycle(key, to_bits(tensor)) if keep and tensor.device.type == "cpu" else None
+            delta = codec.diff(tensor, base.bits, chunks, out=out)
             if delta is None:
                 self._same(key, name, shape, chunks, base, nbytes)
                 return

@@ -91,6 +91,11 @@ def main() -> None:
         "block step 0.01": lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.01)),
         "ratio step 0.01 (positive values)": lambda: encode(amber.RatioDeltaCodec(0, "b", step=0.01),
                                                             positive_value, positive_bits),
+        # coarser steps leave most codes zero, as in most chunks of the preset's 10-step deltas
+        # late in training: those chunks store a nonzero bitmap and the nonzero codes
+        "block step 0.05 (sparse codes)": lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.05)),
+        "ratio step 0.05 (sparse codes)": lambda: encode(amber.RatioDeltaCodec(0, "b", step=0.05),
+                                                         positive_value, positive_bits),
     }
     rates, stored = {}, {}
     for name, fn in cases.items():

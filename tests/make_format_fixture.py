@@ -1,8 +1,8 @@
 """Writes the small reference store of the on-disk format (docs/FORMAT.md).
 
-``python tests/make_format_fixture.py tests/data/format-v6`` made the newest committed copy
-(``format-v1`` to ``-v5`` were made by the code of their versions, with ``expected(1)`` to
-``expected(5)``); the tests read every
+``python tests/make_format_fixture.py tests/data/format-v7`` made the newest committed copy
+(``format-v1`` to ``-v6`` were made by the code of their versions, with ``expected(1)`` to
+``expected(6)``); the tests read every
 committed copy back with the current code, so a change that breaks old stores fails CI, and
 also read back what this script writes today. Never edit a committed copy by hand; when the
 format version changes, add a new ``format-vN`` directory and keep the old ones.
@@ -21,6 +21,7 @@ import torch
 # Version 2 added lossy deltas: the keys of lossy_policy() are saved with lossy codecs (their
 # restored values are checked against the codec's bound, and against what today's code restores).
 # Version 6 made the integer-difference delta the lossless default; XOR stays for the "xor/" keys.
+# Version 7 stores entropy-coded codes sparse where few are nonzero ("lossy/few").
 def lossy_policy() -> list:
     import amber_store as amber
 
@@ -28,17 +29,19 @@ def lossy_policy() -> list:
             ("lossy/s", amber.SparseDeltaCodec(min_numel=1)),
             ("lossy/p", amber.QuantizedDeltaCodec(bits=8, min_numel=1)),
             ("lossy/blk", amber.BlockDeltaCodec(step=0.2, block=16, min_numel=1)),
+            ("lossy/few", amber.BlockDeltaCodec(step=0.2, block=16, min_numel=1)),
             ("lossy/ratio", amber.RatioDeltaCodec(step=0.05, min_numel=1))]
 
 
-def expected(version: int = 6) -> dict[int, dict]:
+def expected(version: int = 7) -> dict[int, dict]:
     """The state saved at each step: full, xor delta, then same/new/shape-change/removed; from
     version 2 on also a quantized and a sparse tensor; from version 3 on a packed tensor that
     changes every step and a packed quantized one; from version 4 on the newer leaf kinds and
     a tensor tied to model/w; from version 5 on a block-quantized sharded tensor (with a NaN
     at step 3) and a packed ratio-coded one (with a zero); from version 6 on (lossless deltas
     are integer differences) a sharded and a packed tensor kept as XOR deltas, and a tensor
-    whose elements move both ways across zero and across powers of two."""
+    whose elements move both ways across zero and across powers of two; from version 7 on a
+    block-coded tensor of which few elements move (its codes stored sparse)."""
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
     model = OrderedDict(w=w, b=torch.linspace(-1, 1, 5).to(torch.bfloat16), mask=torch.tensor([True, False, True]))
     model._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() returns
@@ -87,18 +90,32 @@ def expected(version: int = 6) -> dict[int, dict]:
             moving = torch.linspace(-2, 2, 40) * (1 - 0.3 * step)
             state["xor"] = {"big": moving.reshape(5, 8) + step, "small": torch.arange(3, dtype=torch.int16) * step}
             state["signs"] = moving.to(torch.float16)
+    if version >= 7:
+        for step, state in states.items():
+            few = torch.linspace(1, 2, 64).reshape(4, 16)
+            # each step moves its row and restores the last one: 2 of a chunk's 16 codes (the
+            # row moved at step 1, restored at 2) are stored sparse, 3 (every other) dense
+            few[step, :: 9 - step] += step
+            state["lossy"]["few"] = few
     return states
 
 
 def write(path: str) -> None:
     import amber_store as amber
+    from amber_store import entropy
 
     # Version 3 packs small tensors: the threshold puts model/w and the lossy tensors in shards
     # of several chunks and the rest in the pack. "chain" bases keep step 3 "same" as step 2.
     store = amber.open(path, mode="w", chunk_bytes=64, pack_threshold=160, codec=lossy_policy(),
                        base_policy="chain")
-    for step, state in expected().items():
-        store.save(step, state)
+    # Readers take either layout of codes at any size; writers store a few codes dense (the
+    # gaps' model costs more than it saves), which would leave this tiny store all dense.
+    floor, entropy._SPARSE_MIN_CODES = entropy._SPARSE_MIN_CODES, 0
+    try:
+        for step, state in expected().items():
+            store.save(step, state)
+    finally:
+        entropy._SPARSE_MIN_CODES = floor
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from amber_store.entropy import ans_decode, ans_encode, entropy_bits
+from amber_store.entropy import (DENSE, SPARSE, _gaps_decode, _gaps_encode, ans_decode, ans_encode, decode_codes,
+                                 encode_codes, entropy_bits)
 
 
 @pytest.mark.parametrize("codes", [
@@ -35,3 +36,58 @@ def test_a_malformed_block_is_refused_not_misread():
         ans_decode(block[:-3], 200)
     with pytest.raises(ValueError):
         ans_decode(block, 199)  # the counts say 200 codes
+
+
+def _codes(n: int, nonzero: float, seed: int = 2) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    codes = np.clip(np.round(rng.standard_normal(n) * 3), -127, 127).astype(np.int8)
+    codes[codes == 0] = 1
+    codes[rng.random(n) >= nonzero] = 0
+    return codes
+
+
+@pytest.mark.parametrize("n, nonzero, layout", [
+    (1 << 16, 0.02, SPARSE), (1 << 16, 0.0, SPARSE), (1 << 20 | 5, 0.1, SPARSE),  # long gaps; one nonzero code
+    (1 << 16, 0.6, DENSE), (100, 0.02, DENSE),  # too dense; too few codes for the gaps' model to pay
+])
+def test_codes_round_trip_in_the_layout_their_density_calls_for(n, nonzero, layout):
+    codes = _codes(n, nonzero)
+    codes[-1] = -128  # the escape code is one of the nonzero ones
+    block = encode_codes(codes)
+    back, used = decode_codes(np.frombuffer(block + b"tail", np.uint8), n)
+    assert block[0] == layout and used == len(block) and np.array_equal(back, codes)
+
+
+def test_sparse_codes_cost_within_a_percent_of_dense_ones():
+    codes = _codes(1 << 20, 0.03)
+    sparse, dense = encode_codes(codes), ans_encode(codes)
+    assert sparse[0] == SPARSE and len(sparse) <= 1.01 * len(dense)
+
+
+def test_gaps_round_trip_up_to_the_largest_a_chunk_can_hold():
+    rng = np.random.default_rng(4)
+    gaps = np.floor(rng.exponential(10.0 ** rng.uniform(0, 9, 500))).astype(np.int64)
+    gaps[:4] = [0, 1, (1 << 31), (1 << 32) - 1]
+    classes, extra = _gaps_encode(gaps)
+    assert np.array_equal(_gaps_decode(classes, extra), gaps)
+
+
+def test_malformed_codes_are_refused_not_misread():
+    n = 1 << 16
+    block = np.frombuffer(encode_codes(_codes(n, 0.05)), np.uint8)
+    assert block[0] == SPARSE
+    for bad in (np.concatenate([[7], block[1:]]), block[:-5], block[:40]):
+        with pytest.raises(ValueError):
+            decode_codes(bad.astype(np.uint8), n)
+
+    def forged(gaps: list[int], codes: list[int]) -> np.ndarray:
+        classes, extra = _gaps_encode(np.array(gaps, dtype=np.int64))
+        return np.frombuffer(b"".join([bytes([SPARSE]), np.uint32(len(gaps)).tobytes(), ans_encode(classes),
+                                       np.uint32(extra.size).tobytes(), extra.tobytes(),
+                                       ans_encode(np.array(codes, dtype=np.int8))]), np.uint8)
+
+    assert np.array_equal(decode_codes(forged([3, 0], [5, -2]), 8)[0], [0, 0, 0, 5, -2, 0, 0, 0])
+    with pytest.raises(ValueError):
+        decode_codes(forged([3, 0], [5, 0]), 8)  # a zero among the nonzero codes
+    with pytest.raises(ValueError):
+        decode_codes(forged([3, 4], [5, 1]), 8)  # a position past the end

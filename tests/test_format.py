@@ -37,6 +37,8 @@ def check_reference_store(path: Path, version: int) -> None:
             if "blk" in lossy:
                 assert torch.allclose(got["lossy"]["blk"], lossy["blk"], atol=0.2, equal_nan=True)
                 assert torch.allclose(got["lossy"]["ratio"], lossy["ratio"], rtol=0.026)
+            if "few" in lossy:
+                assert torch.allclose(got["lossy"]["few"], lossy["few"], atol=0.2)
     encodings = {k: e.encoding for k, e in store.manifest(3).tensors.items()}
     assert encodings["model/w"] == "same" and encodings["model/b"] == "full" and encodings["new"] == "full"
     lossless = "xor" if version < 6 else "diff"
@@ -61,9 +63,12 @@ def check_reference_store(path: Path, version: int) -> None:
         assert entries["xor/big"].encoding == "xor" and entries["xor/big"].index is not None
         assert entries["xor/small"].encoding == "xor" and entries["xor/small"].pack is not None
         assert entries["signs"].encoding == "diff"
+    if version >= 7:
+        entries = store.manifest(2).tensors
+        assert entries["lossy/few"].encoding == "block" and entries["lossy/few"].params["sparse_codes"] is True
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7])
 def test_every_committed_format_version_reads_back_with_the_current_code(tmp_path, version):
     copy = tmp_path / f"v{version}"
     shutil.copytree(DATA / f"format-v{version}", copy)  # reads need no write access; keep the fixture pristine

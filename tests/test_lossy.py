@@ -95,7 +95,7 @@ def test_block_delta_error_stays_within_half_a_block_step_over_a_50_step_chain(l
         if previous is None:
             assert_bit_equal(restored, w)
             continue
-        assert entry.encoding in ("block", "same") and entry.params in ({"block": 64}, None)
+        assert entry.encoding in ("block", "same") and entry.params in ({"block": 64, "sparse_codes": True}, None)
         # the delta is taken against the previous *restored* value; the bound is per block: half
         # of sqrt(2) * step * RMS value, or of the power of two that keeps the largest code in int8
         rows = entry.chunks[0]
@@ -154,6 +154,22 @@ def test_entropy_coded_deltas_store_non_finite_values_exactly_in_any_float_dtype
     assert bool((got[finite] != w2[finite]).any())
 
 
+@pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.05, block=64), amber.RatioDeltaCodec(step=0.02)])
+@pytest.mark.parametrize("chunks", [(16, 32), (24, 32)])  # chunks that tile the tensor; a ragged edge chunk
+def test_an_entropy_coded_delta_built_in_a_recycled_buffer_is_the_same_delta(codec, chunks):
+    g = torch.Generator().manual_seed(3)
+    base = torch.rand(40, 32, generator=g) + 0.5
+    base[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])  # escaped elements
+    value = base * (1 + 0.1 * torch.randn(base.shape, generator=g))
+    base_bits = base.view(torch.int32).clone()
+    fresh = codec.diff(value, base_bits, chunks)
+    buffer = torch.full_like(base_bits, -1)  # a spent base's bits
+    recycled = codec.diff(value, base_bits, chunks, out=buffer)
+    assert recycled.recon.data_ptr() == buffer.data_ptr()
+    assert_bit_equal(recycled.recon, fresh.recon)
+    assert np.array_equal(recycled.data, fresh.data) and np.array_equal(recycled.side, fresh.side)
+
+
 def test_a_lazy_slice_of_a_block_delta_reads_the_same_bits_as_a_whole_load(local_store):
     store = local_store(codec=amber.BlockDeltaCodec(step=0.01, block=100), chunk_bytes=4096, pack_threshold=1024)
     w = torch.randn(300, 30)
@@ -182,19 +198,23 @@ def test_the_lossy_preset_uses_ratio_for_second_moments_block_elsewhere_and_keep
     assert_bit_equal(got["model"]["1.bias"], model.state_dict()["1.bias"])
 
 
-def test_stock_zarr_reads_the_codes_of_an_entropy_coded_chunk():
-    codes = np.zeros((40, 25), dtype=np.int8)
+@pytest.mark.parametrize("sparse_codes", [True, False])  # format 7's layouts; 5 and 6 wrote False's
+@pytest.mark.parametrize("rows", [40, 400])  # dense codes, sparse ones
+def test_stock_zarr_reads_the_codes_of_an_entropy_coded_chunk(sparse_codes, rows):
+    codes = np.zeros((rows, 25), dtype=np.int8)
     codes[3, :7] = [1, -1, 2, ESCAPE, 5, -3, 1]
-    codec = amber.BlockDeltaCodec(block=64)
+    codec = amber.BlockDeltaCodec(block=64, sparse_codes=sparse_codes)
     recon = np.arange(codes.size, dtype=np.uint32)
-    raw = np.frombuffer(codec.serialize(codes, np.array([-3] * 16, dtype=np.int8), recon), np.uint8)
-    s = spec(codes.shape, "int8")
-    decoded = sync(AnsBytesCodec(64)._decode_single(default_buffer_prototype().buffer.from_bytes(raw.tobytes()), s))
+    side = np.array([-3] * -(-codes.size // 64), dtype=np.int8)
+    raw = np.frombuffer(codec.serialize(codes, side, recon), np.uint8)
+    serializer = AnsBytesCodec.from_dict(codec.serializer("float32"))
+    assert serializer == AnsBytesCodec(64, sparse_codes) and AnsBytesCodec.from_dict({"name": "amber.ans", "configuration": {"side": 64}}).sparse_codes is False
+    decoded = sync(serializer._decode_single(default_buffer_prototype().buffer.from_bytes(raw.tobytes()),
+                                             spec(codes.shape, "int8")))
     assert np.array_equal(decoded.as_numpy_array(), codes)
-    side, got, escaped = codec._parse(raw, codes.size, np.dtype("uint32"))
-    assert np.array_equal(got.reshape(codes.shape), codes) and list(side) == [-3] * 16
+    got_side, got, escaped = codec._parse(raw, codes.size, np.dtype("uint32"))
+    assert np.array_equal(got.reshape(codes.shape), codes) and np.array_equal(got_side, side)
     assert list(escaped) == [recon[3 * 25 + 3]]
-    assert AnsBytesCodec.from_dict(AnsBytesCodec(64).to_dict()) == AnsBytesCodec(64)
 
 
 def test_a_lossy_policy_for_optimizer_state_leaves_model_weights_bit_exact(make_store):
