@@ -464,6 +464,8 @@ def dequantize(base: torch.Tensor, q: np.ndarray, region: tuple[slice, ...], dty
 #: The code that stands for "this element's exact bits follow the codes" in the entropy-coded
 #: lossy deltas: non-finite values, and changes their code range cannot reach.
 ESCAPE = -128
+#: what a lossy codec's quantizer returns: codes, side codes, restored values, escaped elements
+_Quantized = tuple[torch.Tensor, Union[torch.Tensor, None], torch.Tensor, Union[torch.Tensor, None]]
 
 
 @dataclass(frozen=True)
@@ -542,10 +544,10 @@ class _CodedDelta(DeltaCodec):
         v = value.reshape(-1).to(ct)
         b = base.to(value.device, non_blocking=True).view(value.dtype).reshape(-1).to(ct)
         scratch = out.view(ct).reshape(-1) if out is not None and ct == value.dtype and out.device == v.device else None
-        codes, side, restored, exact = self._quantize(v, b, chunk_runs(tuple(value.shape), chunks), math.prod(chunks),
-                                                      scratch)
-        if not int(torch.count_nonzero(codes)):  # (a third of the time of any() on int8)
+        quantized = self._quantize(v, b, chunk_runs(tuple(value.shape), chunks), math.prod(chunks), scratch)
+        if quantized is None:
             return None
+        codes, side, restored, exact = quantized
         recon = to_bits(restored.to(value.dtype))
         if exact is not None:
             recon[exact] = to_bits(value).reshape(-1)[exact]
@@ -554,12 +556,11 @@ class _CodedDelta(DeltaCodec):
                      None if side is None else side.to("cpu").numpy())
 
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
-                  scratch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
-                                                         torch.Tensor | None]:
+                  scratch: torch.Tensor | None) -> _Quantized | None:
         """(int8 codes, side codes per chunk or ``None``, restored values, the mask of the
         escaped elements or ``None`` when there are none) of flat ``v`` against ``b`` (compute
         dtype, on their device), the tensor's chunks being ``runs``; the restored values in
-        ``scratch`` (flat, compute dtype) if given."""
+        ``scratch`` (flat, compute dtype) if given. ``None`` when every code would be 0."""
         raise NotImplementedError
 
     def params(self) -> dict[str, Any]:
@@ -633,8 +634,7 @@ class BlockDeltaCodec(_CodedDelta):
         return {"block": self.block, "sparse_codes": self.sparse_codes}
 
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
-                  scratch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
-                                                         torch.Tensor | None]:
+                  scratch: torch.Tensor | None) -> _Quantized | None:
         width = round_up(padded, self.block)
         # Blocks are counted from each chunk's start: the tensor viewed as (chunks, blocks, block),
         # copied into a zero-padded buffer only when its chunks do not tile it exactly.
@@ -662,8 +662,12 @@ class BlockDeltaCodec(_CodedDelta):
         rms = _block_norms(blocked(v)).div_(math.sqrt(self.block))
         e = torch.log2(rms.mul_(self.step)).round_().nan_to_num_(0, posinf=126, neginf=-126)
         # never so fine that a code leaves +-127 (a change far above the block's RMS value)
-        fit = torch.log2(peak.div_(127)).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
+        fit = torch.log2(peak / 127).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
         e = torch.maximum(e, fit).clamp_(-126, 126)  # 2^e and 2^-e normal: multiplying by them is exact
+        # A code is nonzero iff its change is over half a step (0.5 rounds to even, 0): decided
+        # per block (the scaled peak is exactly the largest scaled change), without a full pass.
+        if exact is None and not bool(peak.mul_(_pow2(-e, v.dtype)).gt_(0.5).any()):
+            return None
         q = changes.mul_(_pow2(-e, v.dtype).unsqueeze(-1)).round_().clamp_(-127, 127)
         codes = q.to(torch.int8)
         if exact is not None:
@@ -722,8 +726,7 @@ class RatioDeltaCodec(_CodedDelta):
         return torch.tensor([1.0] + down[:0:-1] + up, dtype=torch.float64).to(dtype).to(device)
 
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
-                  scratch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
-                                                         torch.Tensor | None]:
+                  scratch: torch.Tensor | None) -> _Quantized | None:
         # NaN, infinities and signs all surface as a non-finite or out-of-range q (or v <= 0)
         q = torch.div(v, b, out=scratch).log_().mul_(1 / math.log1p(self.step)).round_()
         low, high = torch.aminmax(q)  # NaN if any element is
@@ -733,6 +736,8 @@ class RatioDeltaCodec(_CodedDelta):
         if ok is not None:
             exact = ~ok & (v != b)
             codes.masked_fill_(exact, ESCAPE).masked_fill_(~ok & (v == b), 0)
+        if not int(torch.count_nonzero(codes)):  # (a third of the time of any() on int8)
+            return None
         return codes, None, self._restore(b, codes, None, out=scratch), exact  # (q is spent: scratch is free)
 
     def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None,

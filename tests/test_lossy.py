@@ -154,6 +154,19 @@ def test_entropy_coded_deltas_store_non_finite_values_exactly_in_any_float_dtype
     assert bool((got[finite] != w2[finite]).any())
 
 
+def test_a_change_of_exactly_half_a_block_step_is_no_delta_and_one_just_over_it_is():
+    codec = amber.BlockDeltaCodec(step=0.25, block=4)  # values near 1: a step of 2^-2
+    base = torch.ones(8)
+    half = base.clone()
+    half[5] = 1.125  # rounds (half to even) to code 0 in its block
+    assert codec.diff(half, base.view(torch.int32), (8,)) is None
+    over = base.clone()
+    over[5] = torch.nextafter(torch.tensor(1.125), torch.tensor(2.0))
+    delta = codec.diff(over, base.view(torch.int32), (8,))
+    assert delta is not None and delta.data.tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
+    assert_bit_equal(delta.recon.view(torch.float32), torch.tensor([1, 1, 1, 1, 1, 1.25, 1, 1]))
+
+
 @pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.05, block=64), amber.RatioDeltaCodec(step=0.02)])
 @pytest.mark.parametrize("chunks", [(16, 32), (24, 32)])  # chunks that tile the tensor; a ragged edge chunk
 def test_an_entropy_coded_delta_built_in_a_recycled_buffer_is_the_same_delta(codec, chunks):
