@@ -468,6 +468,17 @@ ESCAPE = -128
 _Quantized = tuple[torch.Tensor, Union[torch.Tensor, None], torch.Tensor, Union[torch.Tensor, None]]
 
 
+def _coded_chunk(raw: np.ndarray, n: int, side: int, sparse_codes: bool) -> tuple[np.ndarray | None, np.ndarray, int]:
+    """(side codes or ``None``, the ``n`` element codes, bytes read) of a stored chunk of an
+    entropy-coded delta: one side code per ``side`` elements (0: none), the element codes
+    behind a layout byte when ``sparse_codes`` (format 7)."""
+    at, side_codes = 0, None
+    if side:
+        side_codes, at = ans_decode(raw, -(-n // side))
+    codes, used = (decode_codes if sparse_codes else ans_decode)(raw[at:], n)
+    return side_codes, codes, at + used
+
+
 @dataclass(frozen=True)
 class _CodedDelta(DeltaCodec):
     """Shared by the entropy-coded lossy deltas: one int8 code per element, rANS-coded per chunk
@@ -513,11 +524,7 @@ class _CodedDelta(DeltaCodec):
 
     def _parse(self, raw: np.ndarray, n: int, bits: np.dtype) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         """(side codes, element codes, escaped bits) of one stored chunk of ``n`` elements."""
-        at, side = 0, None
-        if self.side_width:
-            side, at = ans_decode(raw, -(-n // self.side_width))
-        codes, used = (decode_codes if self.sparse_codes else ans_decode)(raw[at:], n)
-        at += used
+        side, codes, at = _coded_chunk(raw, n, self.side_width, self.sparse_codes)
         escaped = raw[at:].view(bits.newbyteorder("<"))
         if escaped.size != int((codes == ESCAPE).sum()):
             raise ValueError("escaped values do not match their codes")
@@ -664,11 +671,12 @@ class BlockDeltaCodec(_CodedDelta):
         # never so fine that a code leaves +-127 (a change far above the block's RMS value)
         fit = torch.log2(peak / 127).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
         e = torch.maximum(e, fit).clamp_(-126, 126)  # 2^e and 2^-e normal: multiplying by them is exact
+        inverse = _pow2(-e, v.dtype)
         # A code is nonzero iff its change is over half a step (0.5 rounds to even, 0): decided
         # per block (the scaled peak is exactly the largest scaled change), without a full pass.
-        if exact is None and not bool(peak.mul_(_pow2(-e, v.dtype)).gt_(0.5).any()):
+        if exact is None and not bool(peak.mul_(inverse).gt_(0.5).any()):
             return None
-        q = changes.mul_(_pow2(-e, v.dtype).unsqueeze(-1)).round_().clamp_(-127, 127)
+        q = changes.mul_(inverse.unsqueeze(-1)).round_().clamp_(-127, 127)
         codes = q.to(torch.int8)
         if exact is not None:
             codes.masked_fill_(exact, ESCAPE)
@@ -860,9 +868,7 @@ class AnsBytesCodec(ArrayBytesCodec):
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         raw = chunk_bytes.as_numpy_array().view(np.uint8)
-        n = int(np.prod(chunk_spec.shape))
-        at = ans_decode(raw, -(-n // self.side))[1] if self.side else 0
-        codes = (decode_codes if self.sparse_codes else ans_decode)(raw[at:], n)[0]
+        codes = _coded_chunk(raw, int(np.prod(chunk_spec.shape)), self.side, self.sparse_codes)[1]
         return chunk_spec.prototype.nd_buffer.from_numpy_array(codes.reshape(chunk_spec.shape))
 
     def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
