@@ -16,10 +16,11 @@ import asyncio
 import functools
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import crc32c
 import numpy as np
@@ -31,6 +32,8 @@ from .codecs import (DELTA_ENCODINGS, Compression, Delta, DeltaCodec, DiffDeltaC
                      QuantizedDeltaCodec, codec_named, codec_pool, scratch)
 from .errors import AsyncSaveError
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, itemsize, to_bits
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -552,17 +555,48 @@ class Snapshots:
         self._lent: dict[int, _Buffers] = {}
         self._lock = threading.Lock()
 
-    def take(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy ``tensors`` into buffers of a previous snapshot when the state's layout (keys,
-        shapes, dtypes, devices) is unchanged, else into new ones; the result is lent until
-        :meth:`give_back`."""
+    def take(self, collect: Callable[[], tuple[T, dict[str, torch.Tensor]]]) -> tuple[T, dict[str, torch.Tensor]]:
+        """Run ``collect`` (the walk of a state: anything, and its ``{key: tensor}``) and copy
+        those tensors into buffers of a previous snapshot when the state's layout (keys,
+        shapes, dtypes, devices) is unchanged, else into new ones; returns what ``collect``
+        returned first and the copies, lent until :meth:`give_back`.
+
+        While ``collect`` walks the state, the CPU tensors that the buffers last received are
+        copied again already, on a helper thread: a training loop hands over the same tensor
+        objects at every save (an optimizer's state; not ``model.state_dict()``, which makes
+        new detached ones each call), so the walk (Python) and the copy (memory) overlap. Each
+        guess is checked afterwards (the same object at the same place of an unchanged
+        layout), and the rest copied then; when most guesses were wrong, these buffers stop
+        guessing. Measured for 2,000 tensors of 25 KB: 1.1x the time
+        of a bare copy loop, the walk included, instead of 1.5x."""
+        with self._lock:
+            buffers = self._free.pop() if self._free else None
+        ahead = buffers.copy_ahead() if buffers is not None else None
+        try:
+            extra, tensors = collect()
+        except BaseException:
+            if ahead is not None:
+                wait([ahead[2]])
+            if buffers is not None:
+                with self._lock:
+                    self._free.append(buffers)
+            raise
         # Per-tensor Python work is most of the stall for many small tensors: the layout is
         # compared as whole lists, and the per-tensor loop runs only when it changed.
         keys, values = list(tensors), list(tensors.values())
         layout = ([t.shape for t in values], [t.dtype for t in values], [t.device for t in values])
-        with self._lock:
-            buffers = self._free.pop() if self._free else None
-        if buffers is None or buffers.keys != keys or buffers.layout != layout:
+        same = buffers is not None and buffers.keys == keys and buffers.layout == layout
+        if ahead is not None:
+            at, guess, copied = ahead
+            wait([copied])
+            if same and copied.exception() is None:
+                done = set(i for i, t in zip(at, guess) if t is values[i])
+                rest = [i for i in range(len(values)) if i not in done]
+                buffers.speculate = len(done) >= len(rest)  # else the bookkeeping costs more than it saves
+                for helper in _copy_in_parallel([buffers.out[keys[i]] for i in rest], [values[i] for i in rest]):
+                    helper.result()
+                return extra, self._lend(buffers, values)
+        if not same:
             buffers = self._buffers(keys, values, layout, buffers.out if buffers is not None else {})
         # Batched calls: per-tensor dispatch dominated the copy of small tensors. Copies from an
         # accelerator are asynchronous (non_blocking), hence the synchronize below.
@@ -574,6 +608,11 @@ class Snapshots:
             helper.result()
         for device in buffers.accelerators:
             getattr(torch, device.type).synchronize(device)  # the copies above were asynchronous
+        return extra, self._lend(buffers, values)
+
+    def _lend(self, buffers: _Buffers, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Weak references: a state dropped by training must not be kept alive by its snapshot.
+        buffers.sources = [weakref.ref(v) for v in values] if buffers.speculate and not buffers.accelerators else None
         with self._lock:
             self._lent[id(buffers.out)] = buffers
         return buffers.out
@@ -615,6 +654,19 @@ class _Buffers:
     rest: list[torch.Tensor] = field(default_factory=list)
     rest_at: list[int] = field(default_factory=list)
     accelerators: set[torch.device] = field(default_factory=set)
+    sources: list[weakref.ref[torch.Tensor]] | None = None  # the CPU tensors copied in last
+    speculate: bool = True  # whether to copy them ahead: most were the same objects last time
+
+    def copy_ahead(self) -> tuple[list[int], list[torch.Tensor], Future[None]] | None:
+        """Start copying the tensors copied in last that are still alive, on a helper thread;
+        returns their places, them, and the copy's future."""
+        alive = [(i, t) for i, t in enumerate(ref() for ref in self.sources or ()) if t is not None]
+        if not alive:
+            return None
+        at, guess = [i for i, _ in alive], [t for _, t in alive]
+        copied = _copiers().submit(_copy, [self.out[self.keys[i]] for i in at], guess)
+        time.sleep(0)  # hand the GIL to the copier now: the walk would keep it for a switch interval (5 ms)
+        return at, guess, copied
 
 
 _COPY_GRAIN = 32768  # torch's intra-op grain (elements): smaller copies run on one thread
@@ -629,15 +681,11 @@ def _copy_in_parallel(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) 
     their futures. Measured on 2 cores: 2,000 tensors of 25 KB copy in ~0.7x the time of one
     batched call. The parts are sliced here, not on the helpers: a helper waiting for the GIL
     while this thread runs Python would wait out the interpreter's switch interval (5 ms)."""
-    global _COPIERS
     parts = min(torch.get_num_threads(), len(tensors) // _COPY_BATCH)
     if parts < 2:
         if tensors:
             _copy(buffers, tensors)
         return []
-    with _COPIERS_LOCK:
-        if _COPIERS is None:
-            _COPIERS = ThreadPoolExecutor(max_workers=parts, thread_name_prefix="amber-snapshot")
     sizes = [t.numel() for t in tensors]
     total, bounds, acc = sum(sizes), [0], 0
     for i, n in enumerate(sizes):
@@ -646,7 +694,17 @@ def _copy_in_parallel(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) 
             bounds.append(i + 1)
     bounds.append(len(tensors))
     slices = [(buffers[lo:hi], tensors[lo:hi]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-    return [_COPIERS.submit(_copy, *part) for part in slices]
+    return [_copiers().submit(_copy, *part) for part in slices]
+
+
+def _copiers() -> ThreadPoolExecutor:
+    """The snapshot copies' own threads (not the codec pool, which a previous save may keep busy)."""
+    global _COPIERS
+    with _COPIERS_LOCK:
+        if _COPIERS is None:
+            _COPIERS = ThreadPoolExecutor(max_workers=max(2, torch.get_num_threads()),
+                                          thread_name_prefix="amber-snapshot")
+        return _COPIERS
 
 
 def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:

@@ -263,7 +263,8 @@ class Store:
         self._require_writable()
         self.wait()
         t0 = time.perf_counter()
-        tree, tensors = self._validate(step, state_dict)
+        _check_step(step)
+        tree, tensors = fmt.flatten(state_dict)
         return self._save_now(step, tree, tensors, full, t0, _metrics(metrics))
 
     def save_async(self, step: int, state_dict: Any, *, full: bool | None = None,
@@ -285,7 +286,7 @@ class Store:
         self._require_writable()
         self._background.raise_failure()
         t0 = time.perf_counter()
-        tree, tensors = self._validate(step, state_dict)
+        _check_step(step)
         scores = _metrics(metrics)
         if self._submitted is not None and step <= self._submitted:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the pending save of step {self._submitted}")
@@ -298,7 +299,7 @@ class Store:
                 "the interval between them: save less often, raise max_pending (one more snapshot of host "
                 "memory each), or use faster storage. (Warned once per store.)", RuntimeWarning, stacklevel=2)
         try:
-            snapshot = self._snapshots.take(tensors)
+            tree, snapshot = self._snapshots.take(lambda: fmt.flatten(state_dict))
         except BaseException:
             self._background.release()
             raise
@@ -315,12 +316,6 @@ class Store:
     def wait(self) -> None:
         """Block until every :meth:`save_async` has committed; raise the first failure."""
         self._background.wait()
-
-    @staticmethod
-    def _validate(step: int, state_dict: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
-        return fmt.flatten(state_dict)
 
     def _save_now(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
                   t0: float, metrics: dict[str, float]) -> CommitInfo:
@@ -672,6 +667,11 @@ class Store:
 
         lazy_sd = fmt.unflatten(m.tree if tree is None else tree, leaf, LazyStateDict)
         return lazy_sd if lazy else materialize(lazy_sd, device)
+
+
+def _check_step(step: int) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, not {step!r}")
 
 
 def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

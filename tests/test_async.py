@@ -84,16 +84,20 @@ def test_parameters_that_require_grad_are_snapshotted_without_autograd(tmp_path,
     assert not any(t.requires_grad for t in got.values()) and model[0].weight.grad is None
 
 
+def take(snapshots, tensors: dict) -> dict:
+    return snapshots.take(lambda: (None, tensors))[1]
+
+
 def test_snapshot_buffers_are_reused_while_the_layout_holds_and_replaced_where_it_changes():
     from amber_store.pipeline import Snapshots
 
     snapshots = Snapshots()
     live = state(3, 300)
-    first = snapshots.take(live)
+    first = take(snapshots, live)
     addresses = {k: v.data_ptr() for k, v in first.items()}
     snapshots.give_back(first)
     live["t0"].add_(1)
-    again = snapshots.take(live)
+    again = take(snapshots, live)
     assert {k: v.data_ptr() for k, v in again.items()} == addresses
     assert_tree_bit_equal(again, live)
     snapshots.give_back(again)
@@ -102,19 +106,78 @@ def test_snapshot_buffers_are_reused_while_the_layout_holds_and_replaced_where_i
     live["t2"] = live["t2"].double()
     live["t300"] = torch.arange(7)
     del live["t3"]
-    changed = snapshots.take(live)
+    changed = take(snapshots, live)
     assert_tree_bit_equal(changed, live)
     assert changed["t4"].data_ptr() == addresses["t4"]  # unchanged tensors keep their buffers
     assert all(changed[k].data_ptr() != live[k].data_ptr() for k in live)
+
+
+@pytest.mark.parametrize("change", ["none", "new objects", "resized", "reordered", "one more", "one less"])
+def test_a_snapshot_holds_exactly_what_the_walk_found_whatever_was_copied_ahead(change):
+    from amber_store.pipeline import Snapshots
+
+    snapshots = Snapshots()
+    live = {f"t{i}": torch.randn(400, 400) for i in range(40)}
+    snapshots.give_back(take(snapshots, live))  # the next snapshot copies these ahead of the walk
+    before = live  # alive, so copied ahead: the wrong guess when the state holds new objects
+    live = {k: t + 1 for k, t in before.items()} if change == "new objects" else live
+    if change == "resized":
+        live["t39"].resize_(3)
+    elif change == "reordered":
+        live = dict(reversed(live.items()))
+    elif change == "one more":
+        live["t40"] = torch.randn(5)
+    elif change == "one less":
+        del live["t39"]
+    live["t0"].add_(1)
+    assert_tree_bit_equal(take(snapshots, live), live)
+
+
+def test_a_walk_that_fails_lends_nothing_and_the_next_snapshot_is_exact():
+    from amber_store.pipeline import Snapshots
+
+    snapshots = Snapshots()
+    live = {f"t{i}": torch.randn(400, 400) for i in range(40)}
+    snapshots.give_back(take(snapshots, live))
+
+    def fails():
+        raise ValueError("walk failed")
+
+    with pytest.raises(ValueError, match="walk failed"):
+        snapshots.take(fails)
+    live["t6"].mul_(3)
+    assert_tree_bit_equal(take(snapshots, live), live)
+
+
+def test_a_snapshot_keeps_no_tensor_of_the_state_alive():
+    import gc
+    import weakref
+
+    from amber_store.pipeline import Snapshots
+
+    snapshots = Snapshots()
+    live = state(5, 100)
+    snapshots.give_back(take(snapshots, live))
+    watch = weakref.ref(live["t0"])
+    del live
+    gc.collect()
+    assert watch() is None
+    other = state(6, 100)  # a new state of the same layout once the old one is gone
+    assert_tree_bit_equal(take(snapshots, other), other)
 
 
 def test_snapshots_of_parameters_record_no_autograd_history_on_any_thread():
     from amber_store.pipeline import Snapshots
 
     params = {f"p{i}": torch.nn.Parameter(torch.randn(16)) for i in range(300)}  # helper threads copy these
-    taken = Snapshots().take(params)
-    assert_tree_bit_equal(taken, {k: p.detach() for k, p in params.items()})
-    assert not any(t.requires_grad or t.grad_fn is not None for t in taken.values())
+    snapshots = Snapshots()
+    for _ in range(2):  # the second is copied ahead of the walk
+        taken = take(snapshots, params)
+        assert_tree_bit_equal(taken, {k: p.detach() for k, p in params.items()})
+        assert not any(t.requires_grad or t.grad_fn is not None for t in taken.values())
+        snapshots.give_back(taken)
+        with torch.no_grad():
+            params["p0"].add_(1)
 
 
 @pytest.mark.parametrize("max_pending", [1, 2])

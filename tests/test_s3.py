@@ -395,3 +395,20 @@ def test_endpoint_and_credentials_come_from_the_standard_aws_environment(s3_serv
     s = state(3)
     store.save(1, s)
     assert_tree_bit_equal(amber.open(s3_uri, mode="r").load(1, lazy=False), s)
+
+
+def test_an_http_endpoint_is_used_without_loading_a_ca_bundle(s3_server, s3_uri, monkeypatch):
+    import ssl
+
+    assert s3_server.storage_options()["endpoint_url"].startswith("http://")
+    loaded: list[object] = []
+    original = ssl.SSLContext.load_verify_locations
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations",
+                        lambda self, *a, **k: (loaded.append(a), original(self, *a, **k))[1])
+    s = state(4)
+    with amber.open(s3_uri, s3_server.storage_options()) as store:
+        store.save(1, s)
+    assert_tree_bit_equal(amber.open(s3_uri, s3_server.storage_options(), mode="r").load(1, lazy=False), s)
+    assert loaded == []  # plain HTTP has no certificate to check
+    https = amber_uri._s3_options({"endpoint_url": "https://s3.example.com"})["client_kwargs"]
+    assert "verify" not in https  # TLS endpoints keep botocore's verification
