@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import uuid
+from collections import OrderedDict
 from typing import Any, Callable
 
 from zarr.abc.store import Store as ZarrStore
@@ -66,8 +67,16 @@ def json_buffer(obj: Any) -> Buffer:
     return default_buffer_prototype().buffer.from_bytes(json.dumps(obj, separators=(",", ":")).encode())
 
 
+#: parsed manifests kept (the most recently used), at least; and at least twice the longest
+#: chain seen, so that walking a chain never evicts its own steps. Keeping them all grew a
+#: long run's memory without bound: a 2,000-tensor step's manifest is ~10,000 objects and 2-4
+#: MB, and every full garbage collection walks them (60 steps: 78 -> 177 ms, in the middle of
+#: save_async's stall when one strikes there).
+MANIFEST_CACHE = 32
+
+
 class History:
-    """Committed steps of one store, read through a manifest cache.
+    """Committed steps of one store, read through a manifest cache (:data:`MANIFEST_CACHE`).
 
     Concurrent requests for one manifest share a single read and parse.
     """
@@ -77,7 +86,8 @@ class History:
         self.zstore = zstore
         self.writer_id = uuid.uuid4().hex[:12]
         self.last_commit: int | None = None
-        self._manifests: dict[int, asyncio.Future[Manifest]] = {}
+        self._manifests: OrderedDict[int, asyncio.Future[Manifest]] = OrderedDict()
+        self._cache_size = MANIFEST_CACHE
 
     @property
     def uri(self) -> str:
@@ -128,10 +138,11 @@ class History:
     async def manifest(self, step: int) -> Manifest:
         fut = self._manifests.get(step)
         if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            self._manifests.move_to_end(step)
             return fut.result()  # (without a shield: a save asks once per tensor)
         if fut is None or fut.done():  # not read yet, or the read failed: read again
             fut = asyncio.ensure_future(self._read_manifest(step))
-            self._manifests[step] = fut
+            self._cache(step, fut)
         try:
             return await asyncio.shield(fut)
         except StepNotFoundError:
@@ -152,12 +163,24 @@ class History:
             raise CorruptDataError(f"{self.uri}: the manifest of step {step} ({fmt.commit_key(step)}, "
                                    f"{len(data)} bytes) is unreadable: {type(e).__name__}: {e}", step=step) from None
         self.check_version(m.format_version)
+        self._fit_cache(m)
         return m
 
     def remember(self, manifest: Manifest) -> None:
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(manifest)
-        self._manifests[manifest.step] = fut
+        self._fit_cache(manifest)
+        self._cache(manifest.step, fut)
+
+    def _fit_cache(self, m: Manifest) -> None:
+        # a chain reaches back at most to its segment's full step (``depth`` in formats without segments)
+        self._cache_size = max(self._cache_size, 2 * (max(len(m.segment), m.depth) + 1))
+
+    def _cache(self, step: int, fut: asyncio.Future[Manifest]) -> None:
+        self._manifests[step] = fut
+        self._manifests.move_to_end(step)
+        while len(self._manifests) > self._cache_size:
+            self._manifests.popitem(last=False)  # (a read in flight goes on for whoever awaits it)
 
     def forget(self) -> None:
         """Drop cached manifests (after retention rewrote or removed some)."""

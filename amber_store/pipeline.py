@@ -664,8 +664,16 @@ class _Buffers:
         if not alive:
             return None
         at, guess = [i for i, _ in alive], [t for _, t in alive]
-        copied = _copiers().submit(_copy, [self.out[self.keys[i]] for i in at], guess)
-        time.sleep(0)  # hand the GIL to the copier now: the walk would keep it for a switch interval (5 ms)
+        buffers, started = [self.out[self.keys[i]] for i in at], threading.Event()
+
+        def copy() -> None:
+            started.set()
+            _copy(buffers, guess)
+
+        copied = _copiers().submit(copy)
+        # Wait until the copier runs: once the walk holds the GIL, a thread asking for it waits
+        # out a switch interval (5 ms); the copy itself releases it.
+        started.wait()
         return at, guess, copied
 
 

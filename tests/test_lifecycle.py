@@ -334,3 +334,42 @@ def test_du_reports_bytes_by_step_and_group(make_store):
     du = store.du()
     assert set(du["steps"]) == {1, 2} and set(du["groups"]) == {"model", "optim"}
     assert du["total"] == sum(du["steps"].values()) == sum(du["groups"].values()) > 0
+
+
+def test_a_long_run_keeps_only_a_bounded_number_of_manifests_in_memory(tmp_path):
+    from amber_store.history import MANIFEST_CACHE
+
+    store = amber.open(tmp_path / "ckpt", full_every=5, durable=False)
+    g = torch.Generator().manual_seed(0)
+    states = {}
+    for step in range(3 * MANIFEST_CACHE):
+        states[step] = {"w": torch.randn(64, generator=g), "b": torch.randn(8, generator=g)}
+        store.save(step, states[step])
+    assert len(store.history._manifests) <= MANIFEST_CACHE
+    for step in (0, MANIFEST_CACHE, 3 * MANIFEST_CACHE - 1):  # evicted ones are read again
+        assert_tree_bit_equal(store.load(step, lazy=False), states[step])
+    assert len(store.history._manifests) <= MANIFEST_CACHE
+
+
+def test_loading_a_chain_longer_than_the_manifest_cache_reads_each_manifest_once(tmp_path, monkeypatch):
+    from amber_store import history
+    from amber_store.history import MANIFEST_CACHE
+
+    depth = MANIFEST_CACHE + 8
+    store = amber.open(tmp_path / "ckpt", full_every=depth + 1, base_policy="chain", codec="lossy", durable=False)
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(300, generator=g) for i in range(4)}
+    for step in range(depth + 1):
+        state = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+        store.save(step, state)
+    reads: list[int] = []
+    original = history.History._read_manifest
+
+    async def counted(self, step):
+        reads.append(step)
+        return await original(self, step)
+
+    monkeypatch.setattr(history.History, "_read_manifest", counted)
+    reader = amber.open(tmp_path / "ckpt", mode="r")
+    reader.load(depth, lazy=False)
+    assert sorted(reads) == list(range(depth + 1))  # each step of the chain once, for every tensor
