@@ -522,23 +522,25 @@ class _CodedDelta(DeltaCodec):
             parts.append(recon.reshape(-1)[escaped].astype(recon.dtype.newbyteorder("<")).tobytes())
         return b"".join(parts)
 
-    def _parse(self, raw: np.ndarray, n: int, bits: np.dtype) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
-        """(side codes, element codes, escaped bits) of one stored chunk of ``n`` elements."""
+    def _parse(self, raw: np.ndarray, n: int, bits: np.dtype
+               ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+        """(side codes, element codes, escaped bits, the mask of the escaped codes) of one
+        stored chunk of ``n`` elements."""
         side, codes, at = _coded_chunk(raw, n, self.side_width, self.sparse_codes)
         escaped = raw[at:].view(bits.newbyteorder("<"))
-        if escaped.size != int((codes == ESCAPE).sum()):
+        mask = codes == ESCAPE
+        if escaped.size != int(np.count_nonzero(mask)):
             raise ValueError("escaped values do not match their codes")
-        return side, codes, escaped
+        return side, codes, escaped, mask
 
     def decode_into(self, out: np.ndarray, raw: np.ndarray, padded: int, region: tuple[slice, ...],
                     entry: TensorEntry) -> None:
-        side, codes, escaped = self._parse(raw, padded, out.dtype)
+        side, codes, escaped, mask = self._parse(raw, padded, out.dtype)
         codes = codes[: out.size]
         dtype = DTYPES[entry.dtype]
         base = numpy_to_tensor(out.reshape(-1), entry.dtype).to(_compute_dtype(dtype))
         value = to_bits(self._restore(base, torch.from_numpy(codes), side).to(dtype)).numpy().view(out.dtype)
-        mask = codes == ESCAPE
-        value[mask] = escaped
+        value[mask[: out.size]] = escaped
         out.reshape(-1)[...] = value
 
     def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None) -> torch.Tensor:

@@ -225,7 +225,7 @@ def test_stock_zarr_reads_the_codes_of_an_entropy_coded_chunk(sparse_codes, rows
     decoded = sync(serializer._decode_single(default_buffer_prototype().buffer.from_bytes(raw.tobytes()),
                                              spec(codes.shape, "int8")))
     assert np.array_equal(decoded.as_numpy_array(), codes)
-    got_side, got, escaped = codec._parse(raw, codes.size, np.dtype("uint32"))
+    got_side, got, escaped, _ = codec._parse(raw, codes.size, np.dtype("uint32"))
     assert np.array_equal(got.reshape(codes.shape), codes) and np.array_equal(got_side, side)
     assert list(escaped) == [recon[3 * 25 + 3]]
 
