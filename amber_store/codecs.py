@@ -43,20 +43,18 @@ from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec
 from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec
 
-from .entropy import ans_decode, ans_encode, decode_codes, encode_codes
+from .entropy import ans_decode, ans_encode, decode_codes, encode_codes_many
 from .format import (
     DTYPES,
     chunk_runs,
     TensorEntry,
     bits_numpy_dtype,
     bits_to_numpy,
-    dtype_name,
     itemsize,
     numpy_to_tensor,
     region_chunks,
     round_up,
     to_bits,
-    whole,
 )
 
 if TYPE_CHECKING:
@@ -155,6 +153,13 @@ class DeltaCodec(ArrayArrayCodec):
         """Bytes-like of one chunk of the stored array (chunk-shaped, C-contiguous), given the
         chunk's row of :attr:`Delta.side` and its materialized bits ``recon`` (unpadded)."""
         return chunk.reshape(-1).view(np.uint8)
+
+    def serialize_chunks(self, rows: np.ndarray, sides: np.ndarray | None, recons: list[np.ndarray]) -> list[Any]:
+        """:meth:`serialize` of each chunk of a run of one tensor's chunks: ``rows`` (one a row,
+        zero-padded), their rows of :attr:`Delta.side` and their materialized bits; ``None``
+        for a chunk of zeros (not stored)."""
+        return [self.serialize(row, None if sides is None else sides[r], recons[r]) if row.any() else None
+                for r, row in enumerate(rows)]
 
     def deserialize(self, raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """The chunk back from :meth:`serialize`'s bytes (``raw``: uint8)."""
@@ -313,6 +318,49 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: elements per piece where a temporary of a whole large tensor would cost its page faults
+_PIECE = 1 << 20
+
+
+def _flat_pair(value: torch.Tensor, base: torch.Tensor, ct: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``value`` and ``base`` (its bits) flat, in the compute dtype ``ct``, on value's device."""
+    b = base.to(value.device, non_blocking=True).view(value.dtype).reshape(-1)
+    return value.reshape(-1).to(ct), b.to(ct)
+
+
+def _scratch(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor | None:
+    """The caller's recycled buffer as flat values of ``value``'s dtype, when it can hold a
+    temporary of the compute dtype on value's device (else ``None``: ops allocate)."""
+    if out is None or _compute_dtype(value.dtype) != value.dtype or out.device != value.device:
+        return None
+    return out.view(value.dtype).reshape(-1)
+
+
+def _recon_buffer(out: torch.Tensor | None, base: torch.Tensor) -> torch.Tensor:
+    """A flat CPU buffer for the bits of a reconstruction: the caller's recycled one if given."""
+    if out is not None and out.device.type == "cpu":
+        return out.view(base.dtype).reshape(-1)
+    return torch.empty(base.numel(), dtype=base.dtype)
+
+
+def _by_chunk(x: torch.Tensor, runs: list[tuple[int, int]], width: int) -> tuple[torch.Tensor, bool]:
+    """Flat ``x`` as one row of ``width`` per chunk (``runs``), and whether that is a view:
+    when the chunks do not tile it exactly, a copy with each row zero-padded."""
+    if all(hi - lo == width for lo, hi in runs):
+        return x.view(len(runs), width), True
+    rows = x.new_zeros(len(runs), width)
+    for k, (lo, hi) in enumerate(runs):
+        rows[k, : hi - lo] = x[lo:hi]
+    return rows, False
+
+
+def _unchunk(rows: torch.Tensor, runs: list[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_by_chunk`'s copy, into flat ``out``."""
+    for k, (lo, hi) in enumerate(runs):
+        out[lo:hi] = rows[k, : hi - lo]
+    return out
+
+
 @dataclass(frozen=True)
 class SparseDeltaCodec(DeltaCodec):
     """Amber's significant-update delta: keep an element's new bits only where it moved by more
@@ -344,28 +392,39 @@ class SparseDeltaCodec(DeltaCodec):
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
              out: torch.Tensor | None = None) -> Delta | None:
-        b = base.to(value.device, non_blocking=True)
         ct = _compute_dtype(value.dtype)
-        v, bv = value.to(ct), b.view(value.dtype).to(ct)
-        moved = (v - bv).abs()
+        bits, base_bits = to_bits(value).reshape(-1), base.to(value.device, non_blocking=True).reshape(-1)
+        v, b = _flat_pair(value, base_bits, ct)
+        moved = torch.sub(v, b, out=_scratch(out, value)).abs_()
         if self.topk is not None:
             k = max(1, math.ceil(self.topk * moved.numel())) if moved.numel() else 0
             keep = torch.zeros_like(moved, dtype=torch.bool)
             if k:
-                keep.view(-1)[moved.view(-1).nan_to_num(math.inf).topk(k).indices] = True
+                keep[moved.nan_to_num(math.inf).topk(k).indices] = True
+            keep &= bits != base_bits
         else:
-            keep = moved > self.threshold * bv.abs()
-        keep |= ~torch.isfinite(v) | ~torch.isfinite(bv)  # NaN/inf never compare: keep them exact
-        xor = torch.bitwise_xor(to_bits(value), b)
-        keep &= xor != 0
-        idx = keep.view(-1).nonzero().view(-1)
+            # |v - b| > threshold * |b| in pieces: one small temporary instead of two of the
+            # tensor's size (a fresh buffer costs its page faults: as much as the arithmetic)
+            keep = torch.empty(moved.shape, dtype=torch.bool, device=moved.device)
+            tmp = torch.empty(min(moved.numel(), _PIECE), dtype=ct, device=moved.device)
+            for lo in range(0, moved.numel(), _PIECE):
+                hi = min(lo + _PIECE, moved.numel())
+                torch.gt(moved[lo:hi], torch.abs(b[lo:hi], out=tmp[: hi - lo]).mul_(self.threshold), out=keep[lo:hi])
+            if not bool(torch.isfinite(moved.amax())):  # NaN/inf never compare: keep them exact
+                keep |= ~torch.isfinite(v) | ~torch.isfinite(b)
+                keep &= bits != base_bits
+            # (otherwise a kept element moved by more than 0: its bits differ)
+        idx = keep.nonzero().view(-1)
         if idx.numel() == 0:
             return None
         # Only the kept elements leave the device; the dense delta is rebuilt on the host.
-        host_idx, host_vals = idx.to("cpu"), xor.view(-1)[idx].to("cpu")
-        dense = torch.zeros_like(base)
-        dense.view(-1)[host_idx] = host_vals
-        return Delta(bits_to_numpy(dense), torch.bitwise_xor(base, dense), {"kept": int(idx.numel())})
+        kept = bits[idx]
+        host_idx, host_bits, host_xor = idx.to("cpu"), kept.to("cpu"), (kept ^ base_bits[idx]).to("cpu")
+        recon = _recon_buffer(out, base)
+        recon.copy_(base.reshape(-1)).index_put_((host_idx,), host_bits)
+        dense = torch.zeros_like(recon)
+        dense[host_idx] = host_xor
+        return Delta(bits_to_numpy(dense.view(base.shape)), recon.view(base.shape), {"kept": int(idx.numel())})
 
 
 @dataclass(frozen=True)
@@ -415,24 +474,27 @@ class QuantizedDeltaCodec(DeltaCodec):
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
              out: torch.Tensor | None = None) -> Delta | None:
         ct = _compute_dtype(value.dtype)
-        d = value.to(ct) - base.to(value.device, non_blocking=True).view(value.dtype).to(ct)
-        if not bool(torch.isfinite(d).all()):
+        v, b = _flat_pair(value, base, ct)
+        runs = chunk_runs(tuple(value.shape), chunks)
+        scratch = _scratch(out, value)
+        rows, tiled = _by_chunk(torch.sub(v, b, out=scratch), runs, math.prod(chunks))
+        peak = torch.maximum(rows.amax(-1), rows.amin(-1).neg_())  # NaN or inf if any change is
+        if not bool(torch.isfinite(peak).all()):
             return DiffDeltaCodec().diff(value, base, chunks)  # never quantize NaN/inf
-        shape = tuple(value.shape)
-        q = torch.zeros(shape, dtype=torch.int8, device=value.device)
-        scales = []
-        for _, _, sl in region_chunks(whole(shape), shape, chunks):
-            peak = float(d[sl].abs().max()) if d[sl].numel() else 0.0
-            scale = peak / self.qmax
-            scales.append(scale)
-            if scale > 0:
-                q[sl] = torch.round(d[sl] / scale).clamp_(-self.qmax, self.qmax).to(torch.int8)
-        if not bool(q.any()):
+        scales = (peak.double() / self.qmax).tolist()  # float(peak) / qmax, as readers get them
+        # Every chunk at once, with the same single IEEE operations as dequantize's per chunk
+        # (the scale rounded to the compute dtype, q * scale, then + base), so readers agree.
+        scale = torch.tensor(scales, dtype=torch.float64).to(device=v.device, dtype=ct).unsqueeze(-1)
+        q = rows.div_(torch.where(scale > 0, scale, 1)).round_().clamp_(-self.qmax, self.qmax)
+        codes = q.to(torch.int8)
+        if not int(torch.count_nonzero(codes)):
             return None
-        host_q = q.to("cpu")
-        recon = dequantize(base, host_q.numpy(), whole(shape), dtype_name(value.dtype),
-                           shape, chunks, scales)
-        return Delta(host_q.numpy(), torch.from_numpy(recon).view(base.dtype),
+        moved = q.mul_(scale)
+        restored = moved.view(-1) if tiled else _unchunk(moved, runs, scratch if scratch is not None else torch.empty_like(v))
+        restored.add_(b)
+        host_codes = _unchunk(codes, runs, torch.empty(v.shape, dtype=torch.int8, device=v.device)) if not tiled else codes
+        recon = to_bits(restored.to(value.dtype))
+        return Delta(host_codes.to("cpu").numpy().reshape(tuple(value.shape)), recon.to("cpu").reshape(base.shape),
                      {"scales": [s.hex() for s in scales], "bits": self.bits})
 
     def apply(self, stored: np.ndarray, base: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> np.ndarray:
@@ -514,13 +576,23 @@ class _CodedDelta(DeltaCodec):
 
     def serialize(self, chunk: np.ndarray, side: np.ndarray | None = None, recon: np.ndarray | None = None) -> Any:
         assert recon is not None
-        codes = chunk.reshape(-1)
-        parts = [ans_encode(side)] if self.side_width else []
-        parts.append(encode_codes(codes) if self.sparse_codes else ans_encode(codes))
-        escaped = codes[: recon.size] == ESCAPE
-        if escaped.any():
-            parts.append(recon.reshape(-1)[escaped].astype(recon.dtype.newbyteorder("<")).tobytes())
-        return b"".join(parts)
+        stored = self.serialize_chunks(chunk.reshape(1, -1), None if side is None else side[None], [recon])[0]
+        assert stored is not None, "a chunk of zeros is not stored"
+        return stored
+
+    def serialize_chunks(self, rows: np.ndarray, sides: np.ndarray | None, recons: list[np.ndarray]) -> list[Any]:
+        coded = encode_codes_many(rows) if self.sparse_codes else [ans_encode(r) if r.any() else None for r in rows]
+        out: list[Any] = []
+        for row, codes, side, recon in zip(rows, coded, [None] * len(rows) if sides is None else sides, recons):
+            if codes is None:
+                out.append(None)
+                continue
+            parts = [codes] if side is None else [ans_encode(side), codes]
+            escaped = np.flatnonzero(row[: recon.size] == ESCAPE)
+            if escaped.size:
+                parts.append(recon.reshape(-1)[escaped].astype(recon.dtype.newbyteorder("<")).tobytes())
+            out.append(b"".join(parts))
+        return out
 
     def _parse(self, raw: np.ndarray, n: int, bits: np.dtype
                ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
@@ -645,22 +717,16 @@ class BlockDeltaCodec(_CodedDelta):
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
                   scratch: torch.Tensor | None) -> _Quantized | None:
         width = round_up(padded, self.block)
-        # Blocks are counted from each chunk's start: the tensor viewed as (chunks, blocks, block),
-        # copied into a zero-padded buffer only when its chunks do not tile it exactly.
-        whole = all(hi - lo == width for lo, hi in runs)
 
-        def blocked(x: torch.Tensor) -> torch.Tensor:
-            if whole:
-                return x.view(len(runs), -1, self.block)
-            out = x.new_zeros(len(runs), width)
-            for k, (lo, hi) in enumerate(runs):
-                out[k, : hi - lo] = x[lo:hi]
-            return out.view(len(runs), -1, self.block)
+        def blocked(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+            # blocks are counted from each chunk's start: (chunks, blocks, block)
+            rows, tiled = _by_chunk(x, runs, width)
+            return rows.view(len(runs), -1, self.block), tiled
 
         # Few passes and no fresh buffers beyond the change itself: this runs on the training
         # host's CPU when there is no accelerator. The change's peak (NaN or inf if any element
         # of it is) sizes the fit rule and detects the elements to escape.
-        changes = blocked(v - b if scratch is None else torch.sub(v, b, out=scratch))
+        changes, whole = blocked(torch.sub(v, b, out=scratch))
         # (amax and amin: a third of the time of aminmax along a short last dimension)
         peak = torch.maximum(changes.amax(-1), changes.amin(-1).neg_())
         exact = None
@@ -668,7 +734,7 @@ class BlockDeltaCodec(_CodedDelta):
             exact = ~torch.isfinite(changes)
             changes.masked_fill_(exact, 0)
             peak = changes.abs().amax(-1)
-        rms = _block_norms(blocked(v)).div_(math.sqrt(self.block))
+        rms = _block_norms(blocked(v)[0]).div_(math.sqrt(self.block))
         e = torch.log2(rms.mul_(self.step)).round_().nan_to_num_(0, posinf=126, neginf=-126)
         # never so fine that a code leaves +-127 (a change far above the block's RMS value)
         fit = torch.log2(peak / 127).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
@@ -685,11 +751,8 @@ class BlockDeltaCodec(_CodedDelta):
         moved = q.mul_(_pow2(e, v.dtype).unsqueeze(-1))
         if whole:
             return codes.view(-1), e.to(torch.int8), moved.view(-1).add_(b), None if exact is None else exact.view(-1)
-        flat_codes = torch.empty(v.shape, dtype=torch.int8, device=v.device)
-        restored = torch.empty_like(v) if scratch is None else scratch
-        for k, (lo, hi) in enumerate(runs):
-            flat_codes[lo:hi] = codes[k].view(-1)[: hi - lo]
-            restored[lo:hi] = moved[k].view(-1)[: hi - lo]
+        flat_codes = _unchunk(codes.view(len(runs), -1), runs, torch.empty(v.shape, dtype=torch.int8, device=v.device))
+        restored = _unchunk(moved.view(len(runs), -1), runs, torch.empty_like(v) if scratch is None else scratch)
         return flat_codes, e.to(torch.int8), restored.add_(b), None if exact is None else flat_codes == ESCAPE
 
     def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None) -> torch.Tensor:
@@ -738,7 +801,8 @@ class RatioDeltaCodec(_CodedDelta):
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
                   scratch: torch.Tensor | None) -> _Quantized | None:
         # NaN, infinities and signs all surface as a non-finite or out-of-range q (or v <= 0)
-        q = torch.div(v, b, out=scratch).log_().mul_(1 / math.log1p(self.step)).round_()
+        # (log2: half the time of log here; the code is the writer's choice, readers use the table)
+        q = torch.div(v, b, out=scratch).log2_().mul_(1 / math.log2(1 + self.step)).round_()
         low, high = torch.aminmax(q)  # NaN if any element is
         ok = None if bool(low >= -127) and bool(high <= 127) and bool(v.amin() > 0) else (q.abs() <= 127) & (v > 0)
         codes = q.nan_to_num_(0).clamp_(-127, 127).to(torch.int8)
@@ -1056,6 +1120,8 @@ def scratch(nbytes: int, slot: int = 0) -> np.ndarray:
     return buf[:nbytes]
 
 
+#: threads of :func:`codec_pool`: one per core
+CODEC_THREADS = os.cpu_count() or 2
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -1066,5 +1132,5 @@ def codec_pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="amber-codec")
+            _POOL = ThreadPoolExecutor(max_workers=CODEC_THREADS, thread_name_prefix="amber-codec")
         return _POOL

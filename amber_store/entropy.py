@@ -86,14 +86,42 @@ def encode_codes(codes: np.ndarray) -> bytes:
     length, 0 to 32), ``u32 m`` and ``m`` bytes of the gaps' extra bits (a gap of class
     ``c >= 2`` is ``2^(c-1) + x``, ``x`` in ``c - 1`` bits, least significant first, packed
     little-endian bit order), a coded block of the ``k`` codes."""
-    if _SPARSE_MIN_CODES <= codes.size < 1 << 32:
-        nonzero = codes != 0  # (flatnonzero of this: a third of the time of flatnonzero on int8)
-        if np.count_nonzero(nonzero) <= _SPARSE_AT_MOST * codes.size:
-            at = np.flatnonzero(nonzero)
-            classes, extra = _gaps_encode(np.diff(at, prepend=-1) - 1)
-            return b"".join([bytes([SPARSE]), np.uint32(at.size).astype("<u4").tobytes(), ans_encode(classes),
-                             np.uint32(extra.size).astype("<u4").tobytes(), extra.tobytes(), ans_encode(codes[at])])
-    return bytes([DENSE]) + ans_encode(codes)
+    return encode_codes_many(codes.reshape(1, -1))[0] or bytes([DENSE]) + ans_encode(codes)
+
+
+def encode_codes_many(rows: np.ndarray) -> list[bytes | None]:
+    """:func:`encode_codes` of each row of ``rows`` (int8, ``(chunks, n)``), the same bytes, or
+    ``None`` for a row of zeros. The sparse rows' gaps and extra bits are found in one
+    vectorized pass over all of them (row by row, ~25 small numpy calls cost several times
+    their arithmetic, holding the GIL); the passes over every code run row by row (a temporary
+    of all rows would cost its page faults), as does the coder."""
+    n = rows.shape[1]
+    sparse_ok = _SPARSE_MIN_CODES <= n < 1 << 32
+    out: list[bytes | None] = []
+    picked, positions, kept = [], [], []
+    for j, row in enumerate(rows):
+        nonzero = row != 0
+        count = np.count_nonzero(nonzero)
+        if sparse_ok and 0 < count <= _SPARSE_AT_MOST * n:
+            picked.append(j)
+            positions.append(np.flatnonzero(nonzero))
+            kept.append(row[positions[-1]])
+            out.append(b"")  # below
+        else:
+            out.append(None if count == 0 else bytes([DENSE]) + ans_encode(row))
+    if not picked:
+        return out
+    at, codes = np.concatenate(positions), np.concatenate(kept)
+    bounds = np.concatenate(([0], np.cumsum([p.size for p in positions])))
+    gaps = np.diff(at, prepend=-1) - 1
+    gaps[bounds[:-1]] = at[bounds[:-1]]  # a row's first gap counts from its start (every picked row has one)
+    classes, words, starts, nbits = _gaps_pack(gaps, bounds)
+    for r, j in enumerate(picked):
+        lo, hi = bounds[r], bounds[r + 1]
+        extra = words[8 * starts[r]: 8 * starts[r] + -(-nbits[r] // 8)]
+        out[j] = b"".join([bytes([SPARSE]), np.uint32(hi - lo).astype("<u4").tobytes(), ans_encode(classes[lo:hi]),
+                           np.uint32(extra.size).astype("<u4").tobytes(), extra.tobytes(), ans_encode(codes[lo:hi])])
+    return out
 
 
 def decode_codes(raw: np.ndarray, n: int) -> tuple[np.ndarray, int]:
@@ -127,19 +155,31 @@ def _gaps_encode(gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(classes as int8, packed extra bits) of ``gaps`` (int64, >= 0): a class and raw low bits,
     as deflate codes distances: within 2% of the entropy of geometric gaps (measured), with
     one coded symbol per gap."""
-    classes = np.frexp(gaps)[1].astype(np.int64)  # the bit length: exact for integers below 2^53
+    classes, words, _, nbits = _gaps_pack(gaps, np.array([0, gaps.size]))
+    return classes, words[: -(-int(nbits[0]) // 8)]
+
+
+def _gaps_pack(gaps: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_gaps_encode` of each run ``gaps[bounds[r]:bounds[r + 1]]`` at once: (all classes
+    as int8, the packed extra bits of every run as bytes, where run ``r``'s start at byte
+    ``8 * starts[r]``, and each run's number of extra bits)."""
+    # the bit length, from the exponent of the gap as a double (exact for integers below 2^53)
+    classes = np.maximum((gaps.astype(np.float64).view(np.int64) >> 52) - 1022, 0)
     width = np.maximum(classes - 1, 0)
     low = (gaps - np.where(classes > 0, np.left_shift(1, width), 0)).astype(np.uint64)
-    # Each gap's bits go to bit `start` of a little-endian stream of u64 words: at most two
-    # words, gaps in order, bits never overlapping, so OR-reducing each word's parts packs it.
-    start = (np.cumsum(width) - width).astype(np.uint64)
-    total = int(width.sum())
-    words = np.zeros(total // 64 + 2, dtype=np.uint64)
+    ends = np.concatenate(([0], np.cumsum(width)))
+    nbits = ends[bounds[1:]] - ends[bounds[:-1]]
+    # Each run's bits start a fresh u64 word (its spill word reserved); each gap's bits go to
+    # bit `start` of a little-endian stream: at most two words, gaps in order, bits never
+    # overlapping, so OR-reducing each word's parts packs it.
+    starts = np.concatenate(([0], np.cumsum(nbits // 64 + 2)))
+    start = (ends[:-1] + np.repeat(starts[:-1] * 64 - ends[bounds[:-1]], np.diff(bounds))).astype(np.uint64)
+    words = np.zeros(starts[-1], dtype=np.uint64)
     word, shift = start >> np.uint64(6), start & np.uint64(63)
     _or_into(words, word, low << shift)
     spill = (shift > 0) & (width.astype(np.uint64) + shift > 64)
     _or_into(words, word[spill] + np.uint64(1), low[spill] >> (np.uint64(64) - shift[spill]))
-    return classes.astype(np.int8), words.astype("<u8").view(np.uint8)[: -(-total // 8)]
+    return classes.astype(np.int8), words.astype("<u8").view(np.uint8), starts[:-1], nbits
 
 
 def _or_into(words: np.ndarray, index: np.ndarray, parts: np.ndarray) -> None:

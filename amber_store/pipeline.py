@@ -20,7 +20,7 @@ import weakref
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar, Union
 
 import crc32c
 import numpy as np
@@ -28,7 +28,7 @@ import torch
 from zarr.core.sync import sync
 
 from . import format as fmt
-from .codecs import (DELTA_ENCODINGS, Compression, Delta, DeltaCodec, DiffDeltaCodec, LosslessDeltaCodec,
+from .codecs import (CODEC_THREADS, DELTA_ENCODINGS, Compression, Delta, DeltaCodec, DiffDeltaCodec, LosslessDeltaCodec,
                      QuantizedDeltaCodec, codec_named, codec_pool, scratch)
 from .errors import AsyncSaveError
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, itemsize, to_bits
@@ -75,9 +75,12 @@ def _zeros_crc(nbytes: int) -> int:
     return crc32c.crc32c(bytes(nbytes))
 
 
+#: a stored chunk: its parts (``None``: not stored) and the crc32c of its materialized bits
+_Chunk = tuple[Union[list[bytes], None], int]
+
+
 def _lossless_chunk(codec: LosslessDeltaCodec, value: np.ndarray, base: np.ndarray | None, base_crc: int | None,
-                    new_base: np.ndarray | None, padded: int, compression: Compression,
-                    typesize: int) -> tuple[list[bytes] | None, int]:
+                    new_base: np.ndarray | None, padded: int, compression: Compression, typesize: int) -> _Chunk:
     """One chunk of a full step (no ``base``) or of a lossless delta (``codec``): (stored
     parts, or ``None`` when all zero; crc32c of the materialized bits). ``new_base``, if
     given, receives the value. A chunk whose crc32c differs from its base's (or, in a full
@@ -103,14 +106,42 @@ def _unchanged(value: np.ndarray, base: np.ndarray | None, crc: int, base_crc: i
     return (base_crc is None or crc == base_crc) and np.array_equal(value, base)
 
 
-def _delta_chunk(codec: DeltaCodec, data: np.ndarray, side: np.ndarray | None, recon: np.ndarray, padded: int,
-                 compression: Compression, typesize: int) -> tuple[list[bytes] | None, int]:
-    """One chunk of a precomputed delta (a lossless one from the device, or a lossy codec's):
-    stored bytes and the crc32c of the reconstruction."""
-    crc = crc32c.crc32c(recon)
-    if not data.any():
-        return None, crc
-    return compression.compress(codec.serialize(_padded(data, padded), side, recon), typesize, codec), crc
+def _delta_chunks(codec: DeltaCodec, data: np.ndarray, sides: np.ndarray | None, recon: np.ndarray,
+                  runs: list[tuple[int, int]], padded: int, compression: Compression, typesize: int) -> list[_Chunk]:
+    """Chunks ``runs`` of a precomputed delta (a lossless one from the device, or a lossy codec's)
+    serialized together (:meth:`~amber_store.codecs.DeltaCodec.serialize_chunks`): each one's
+    stored parts (``None``: all zero, not stored) and the crc32c of its reconstruction."""
+    if all(b - a == padded for a, b in runs):
+        rows = data[runs[0][0]: runs[-1][1]].reshape(len(runs), padded)
+    else:
+        rows = np.zeros((len(runs), padded), dtype=data.dtype)
+        for r, (a, b) in enumerate(runs):
+            rows[r, : b - a] = data[a:b]
+    recons = [recon[a:b] for a, b in runs]
+    payloads = codec.serialize_chunks(rows, sides, recons)
+    return [(None if p is None else compression.compress(p, typesize, codec), crc32c.crc32c(r))
+            for p, r in zip(payloads, recons)]
+
+
+def submit_delta(pool: ThreadPoolExecutor, codec: DeltaCodec, delta: Delta, recon: np.ndarray,
+                 runs: list[tuple[int, int]], padded: int, compression: Compression,
+                 typesize: int) -> list[Future[list[_Chunk]]]:
+    """:func:`_delta_chunks` of a tensor's chunks (``runs``) on ``pool``: a job per run of
+    chunks, two runs per thread (serializing, the entropy coding, is mostly per-call overhead
+    under the GIL, which a run of chunks shares)."""
+    data, side = delta.data.reshape(-1), delta.side
+    size = -(-len(runs) // (2 * CODEC_THREADS))
+    return [pool.submit(_delta_chunks, codec, data, None if side is None else side[k: k + size], recon,
+                        runs[k: k + size], padded, compression, typesize) for k in range(0, len(runs), size)]
+
+
+def _lossless_chunks(codec: LosslessDeltaCodec, src: np.ndarray, ref: np.ndarray | None, crcs: list[int | None],
+                     new: np.ndarray | None, runs: list[tuple[int, int]], padded: int, compression: Compression,
+                     typesize: int) -> list[_Chunk]:
+    """:func:`_lossless_chunk` of the chunks ``runs`` of flat ``src`` (``ref``: the base, ``new``:
+    the new base, ``crcs``: the base's crc32c per chunk)."""
+    return [_lossless_chunk(codec, src[a:b], None if ref is None else ref[a:b], crc, None if new is None else new[a:b],
+                            padded, compression, typesize) for (a, b), crc in zip(runs, crcs)]
 
 
 def _shard(blobs: list[list[bytes] | None]) -> tuple[list[list[int] | None], list[bytes], int]:
@@ -141,7 +172,7 @@ class _Pending:
 
     key: str
     entry: TensorEntry
-    chunks: list[Future[tuple[list[bytes] | None, int]]]
+    chunks: list[Future[list[_Chunk]]]  # runs of its chunks, in order
     nbytes: int
 
 
@@ -383,14 +414,12 @@ class StepWriter:
             src = host
             ref = None if base is None else bits_to_numpy(base.bits).reshape(-1)
             crcs = base.entry.crc32c if base is not None and len(base.entry.crc32c) == len(runs) else [None] * len(runs)
-            jobs = [self._pool.submit(_lossless_chunk, codec, src[a:b], None if ref is None else ref[a:b], crc,
-                                      None if new is None else new[a:b], padded, self._compression, width)
-                    for (a, b), crc in zip(runs, crcs)]
+            # one job a chunk: the work is in calls that release the GIL, spread over the threads
+            jobs = [self._pool.submit(_lossless_chunks, codec, src, ref, [crc], new, [run], padded, self._compression,
+                                      width) for run, crc in zip(runs, crcs)]
         else:
             assert delta is not None and new is not None
-            data, side = delta.data.reshape(-1), delta.side
-            jobs = [self._pool.submit(_delta_chunk, codec, data[a:b], None if side is None else side[k], new[a:b],
-                                      padded, self._compression, width) for k, (a, b) in enumerate(runs)]
+            jobs = submit_delta(self._pool, codec, delta, new, runs, padded, self._compression, width)
         inner = self._compression.inner_codecs(entry.dtype, None if base is None else codec)
         data_type = (bits_numpy_dtype(entry.dtype) if base is None else codec.storage_dtype(entry.dtype)).name
         attrs = {"dtype": entry.dtype, "encoding": entry.encoding, "base_step": entry.base}
@@ -407,7 +436,7 @@ class StepWriter:
         while self._encoding and (all(f.done() for f in self._encoding[0].chunks)
                                   or (block and self._inflight > self._max_inflight)):
             p = self._encoding.popleft()
-            results = [f.result() for f in p.chunks]
+            results = [chunk for f in p.chunks for chunk in f.result()]
             p.entry.crc32c = [crc for _, crc in results]
             self._write_shard(p, [blob for blob, _ in results])
         self._reap(block=block)

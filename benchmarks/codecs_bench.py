@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import amber_store as amber  # noqa: E402
 from amber_store.codecs import Compression, LosslessDeltaCodec, codec_pool  # noqa: E402
 from amber_store.format import bits_to_numpy, choose_chunks, chunk_runs, to_bits  # noqa: E402
-from amber_store.pipeline import _delta_chunk, _lossless_chunk  # noqa: E402
+from amber_store.pipeline import _lossless_chunk, submit_delta  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
 
 
@@ -55,16 +55,18 @@ def main() -> None:
     positive_bits = to_bits(positive).clone()
     positive_value = positive * (value / base)
 
+    recycled = torch.empty_like(base_bits)
+
     def encode(codec: amber.DeltaCodec, value: torch.Tensor = value, base_bits: torch.Tensor = base_bits) -> int:
-        """diff on the tensor's device, then every chunk serialized, compressed and checksummed
-        on the codec threads, as a save does; returns the stored bytes."""
-        delta = codec.diff(value, base_bits, chunks)
+        """diff on the tensor's device (a lossy one into the spent base's buffer, which a save
+        recycles for CPU tensors), then every chunk serialized, compressed and checksummed on the codec threads, as a save
+        does; returns the stored bytes."""
+        delta = codec.diff(value, base_bits, chunks, out=None if isinstance(codec, LosslessDeltaCodec) else recycled)
         if delta is None:  # nothing moved past the codec's precision: nothing to write
             return 0
-        data, recon = delta.data.reshape(-1), bits_to_numpy(delta.recon).reshape(-1)
-        jobs = [codec_pool().submit(_delta_chunk, codec, data[a:b], None if delta.side is None else delta.side[k],
-                                    recon[a:b], padded, compression, 4) for k, (a, b) in enumerate(runs)]
-        return sum(sum(map(len, j.result()[0] or [])) for j in jobs)  # each chunk: its stored parts
+        jobs = submit_delta(codec_pool(), codec, delta, bits_to_numpy(delta.recon).reshape(-1), runs, padded,
+                            compression, 4)
+        return sum(sum(map(len, parts or [])) for j in jobs for parts, _ in j.result())  # each chunk's stored parts
 
     host_value, host_base = bits_to_numpy(to_bits(value)).reshape(-1), bits_to_numpy(base_bits).reshape(-1)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from amber_store.entropy import (DENSE, SPARSE, _gaps_decode, _gaps_encode, ans_decode, ans_encode, decode_codes,
-                                 encode_codes, entropy_bits)
+                                 encode_codes, encode_codes_many, entropy_bits)
 
 
 @pytest.mark.parametrize("codes", [
@@ -56,6 +56,22 @@ def test_codes_round_trip_in_the_layout_their_density_calls_for(n, nonzero, layo
     block = encode_codes(codes)
     back, used = decode_codes(np.frombuffer(block + b"tail", np.uint8), n)
     assert block[0] == layout and used == len(block) and np.array_equal(back, codes)
+
+
+def test_a_run_of_chunks_encodes_each_chunk_as_it_would_alone():
+    # rows of every kind side by side: the vectorized pass must restart gaps and extra bits per row
+    n = 1 << 16
+    rows = np.stack([_codes(n, 0.02, seed=5), np.zeros(n, np.int8), _codes(n, 0.6, seed=6), _codes(n, 0.0005, seed=7),
+                     _codes(n, 0.1, seed=8), _codes(n, 0.2, seed=9)])
+    rows[3, 0], rows[3, -1] = -128, 7  # nonzero first and last codes
+    rows[4, : n // 2] = 0  # a long first gap
+    coded = encode_codes_many(rows)
+    assert coded[1] is None  # a chunk of zeros is not stored
+    assert [c[0] for c in coded if c is not None] == [SPARSE, DENSE, SPARSE, SPARSE, DENSE]
+    for row, block in zip(rows, coded):
+        if block is not None:
+            back, used = decode_codes(np.frombuffer(block, np.uint8), n)
+            assert used == len(block) and np.array_equal(back, row)
 
 
 def test_sparse_codes_cost_within_a_percent_of_dense_ones():

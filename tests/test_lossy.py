@@ -183,6 +183,58 @@ def test_an_entropy_coded_delta_built_in_a_recycled_buffer_is_the_same_delta(cod
     assert np.array_equal(recycled.data, fresh.data) and np.array_equal(recycled.side, fresh.side)
 
 
+@pytest.mark.parametrize("codec", [amber.QuantizedDeltaCodec(bits=8), amber.QuantizedDeltaCodec(bits=4),
+                                   amber.SparseDeltaCodec(threshold=0.05)], ids=["quant8", "quant4", "sparse"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [16, 24])  # chunks that tile the tensor; a ragged edge chunk
+def test_quantized_and_sparse_deltas_read_back_as_the_writer_reconstructed_them(local_store, codec, dtype, rows):
+    # The writer quantizes every chunk at once; readers dequantize chunk by chunk: a reader
+    # checks each chunk against the crc32c of the writer's reconstruction, so any disagreement
+    # in a single bit fails the load. Step 3 is a delta against step 2's reconstruction.
+    store = local_store(codec=codec, chunk_bytes=rows * 64 * dtype.itemsize, pack_threshold=1024, full_every=10)
+    states = [s.to(dtype) for _, s in drift(3, shape=(80, 64))]
+    for step, w in enumerate(states, 1):
+        store.save(step, {"w": w})
+    assert store.manifest(3).tensors["w"].encoding == codec.encoding
+    assert store.manifest(3).tensors["w"].chunks == [rows, 64]
+    reader = local_store(mode="r")
+    for step, w in enumerate(states, 1):
+        got = reader.load(step, lazy=False)["w"]
+        assert torch.allclose(got.double(), w.double(), rtol=0.1, atol=0.1)
+    assert_bit_equal(reader.load(3)["w"][rows - 3: rows + 5], reader.load(3, lazy=False)["w"][rows - 3: rows + 5])
+
+
+@pytest.mark.parametrize("codec", [amber.QuantizedDeltaCodec(bits=8), amber.SparseDeltaCodec(threshold=0.05),
+                                   amber.SparseDeltaCodec(topk=0.1)], ids=["quant8", "sparse", "topk"])
+def test_a_quantized_or_sparse_delta_built_in_a_recycled_buffer_is_the_same_delta(codec):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(80, 64, generator=g)
+    value = base * (1 + 0.1 * torch.randn(base.shape, generator=g))
+    base_bits = base.view(torch.int32).clone()
+    fresh = codec.diff(value, base_bits, (24, 64))
+    buffer = torch.full_like(base_bits, -1)  # a spent base's bits
+    recycled = codec.diff(value, base_bits, (24, 64), out=buffer)
+    assert recycled.recon.data_ptr() == buffer.data_ptr()
+    assert_bit_equal(recycled.recon, fresh.recon)
+    assert np.array_equal(recycled.data, fresh.data) and recycled.params == fresh.params
+
+
+def test_sparse_deltas_keep_non_finite_values_and_values_next_to_them_exact(local_store):
+    store = local_store(codec=amber.SparseDeltaCodec(threshold=0.05))
+    w = torch.randn(80, 64)
+    w[0, 0] = float("inf")
+    store.save(1, {"w": w})
+    w2 = w * (1 + 0.01 * torch.randn(80, 64))
+    w2[0, 0], w2[1, 1], w2[2, 2] = 1.0, float("nan"), -float("inf")  # from inf; to NaN and -inf
+    w2[3, 3] = w[3, 3] * 2  # a significant move
+    store.save(2, {"w": w2})
+    assert store.manifest(2).tensors["w"].encoding == "sparse"
+    got = local_store(mode="r").load(2, lazy=False)["w"]
+    for i in range(4):
+        assert_bit_equal(got[i, i], w2[i, i])
+    assert bool((got != w2).any())  # small moves dropped
+
+
 def test_a_lazy_slice_of_a_block_delta_reads_the_same_bits_as_a_whole_load(local_store):
     store = local_store(codec=amber.BlockDeltaCodec(step=0.01, block=100), chunk_bytes=4096, pack_threshold=1024)
     w = torch.randn(300, 30)
