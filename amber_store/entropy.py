@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import constriction
 import numpy as np
+import torch
 
 # constriction's submodules live in its extension module: attributes, not importable packages.
 AnsCoder = constriction.stream.stack.AnsCoder
@@ -163,30 +164,25 @@ def _gaps_pack(gaps: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.nda
     """:func:`_gaps_encode` of each run ``gaps[bounds[r]:bounds[r + 1]]`` at once: (all classes
     as int8, the packed extra bits of every run as bytes, where run ``r``'s start at byte
     ``8 * starts[r]``, and each run's number of extra bits)."""
-    # the bit length, from the exponent of the gap as a double (exact for integers below 2^53)
-    classes = np.maximum((gaps.astype(np.float64).view(np.int64) >> 52) - 1022, 0)
-    width = np.maximum(classes - 1, 0)
-    low = (gaps - np.where(classes > 0, np.left_shift(1, width), 0)).astype(np.uint64)
+    exponent = gaps.astype(np.float64).view(np.int64) >> 52  # biased; exact for integers below 2^53
+    classes = np.maximum(exponent - 1022, 0)  # the bit length
+    width = np.maximum(exponent - 1023, 0)
+    low = (gaps & ((np.int64(1) << width) - 1)).astype(np.uint64)
     ends = np.concatenate(([0], np.cumsum(width)))
     nbits = ends[bounds[1:]] - ends[bounds[:-1]]
-    # Each run's bits start a fresh u64 word (its spill word reserved); each gap's bits go to
-    # bit `start` of a little-endian stream: at most two words, gaps in order, bits never
-    # overlapping, so OR-reducing each word's parts packs it.
+    # Each run's bits start a fresh u64 word (its spill word reserved), gaps in order, least
+    # significant bit first. A gap's <= 31 bits at bit `start` lie within the 64-bit window of
+    # u32 word `start >> 5`: the gaps of a window (consecutive ones) never overlap, so OR-ing
+    # them packs it, and its two halves OR into their u32 words.
     starts = np.concatenate(([0], np.cumsum(nbits // 64 + 2)))
-    start = (ends[:-1] + np.repeat(starts[:-1] * 64 - ends[bounds[:-1]], np.diff(bounds))).astype(np.uint64)
-    words = np.zeros(starts[-1], dtype=np.uint64)
-    word, shift = start >> np.uint64(6), start & np.uint64(63)
-    _or_into(words, word, low << shift)
-    spill = (shift > 0) & (width.astype(np.uint64) + shift > 64)
-    _or_into(words, word[spill] + np.uint64(1), low[spill] >> (np.uint64(64) - shift[spill]))
-    return classes.astype(np.int8), words.astype("<u8").view(np.uint8), starts[:-1], nbits
-
-
-def _or_into(words: np.ndarray, index: np.ndarray, parts: np.ndarray) -> None:
-    """``words[index] |= parts`` for sorted ``index`` with repeats."""
-    if index.size:
-        first = np.flatnonzero(np.concatenate(([True], index[1:] != index[:-1])))
-        words[index[first]] |= np.bitwise_or.reduceat(parts, first)
+    start = ends[:-1] + np.repeat(starts[:-1] * 64 - ends[bounds[:-1]], np.diff(bounds))
+    window = start >> 5
+    first = np.flatnonzero(np.diff(window, prepend=-1))
+    packed = np.bitwise_or.reduceat(low << (start & 31).astype(np.uint64), first) if first.size else low
+    words = np.zeros(2 * starts[-1], dtype=np.uint32)
+    words[window[first]] |= packed.astype(np.uint32)
+    words[window[first] + 1] |= (packed >> np.uint64(32)).astype(np.uint32)
+    return classes.astype(np.int8), words.astype("<u4").view(np.uint8), starts[:-1], nbits
 
 
 def _gaps_decode(classes: np.ndarray, extra: np.ndarray) -> np.ndarray:

@@ -13,7 +13,9 @@ from zarr.core.dtype import parse_dtype
 from zarr.core.sync import sync
 
 import amber_store as amber
+from amber_store import codecs as amber_codecs
 from amber_store.codecs import ESCAPE, AnsBytesCodec, Pack4BytesCodec, SparseBytesCodec
+from amber_store.format import chunk_runs, to_bits
 from conftest import assert_bit_equal
 
 
@@ -233,6 +235,29 @@ def test_sparse_deltas_keep_non_finite_values_and_values_next_to_them_exact(loca
     for i in range(4):
         assert_bit_equal(got[i, i], w2[i, i])
     assert bool((got != w2).any())  # small moves dropped
+
+
+@pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.05, block=64), amber.RatioDeltaCodec(step=0.02)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunks", [(8, 32), (12, 32)])  # chunks that tile the tensor; a ragged edge chunk
+def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch, codec, dtype, chunks):
+    g = torch.Generator().manual_seed(5)
+    base = torch.rand(100, 32, generator=g) + 0.5
+    value = base * (1 + 0.1 * torch.randn(base.shape, generator=g))
+    value[20:44] = base[20:44]  # chunks that do not move: a piece with no codes
+    value[90, :2] = torch.tensor([float("nan"), float("inf")])  # escaped elements in a later piece
+    base, value = base.to(dtype), value.to(dtype)
+    base_bits = to_bits(base).clone()
+    whole = codec.diff(value, base_bits, chunks)
+    monkeypatch.setattr(amber_codecs, "_PIECE_BYTES", 2 * 8 * 32 * dtype.itemsize)  # two or three chunks a piece
+    pieces = codec.diff(value, base_bits, chunks, out=torch.full_like(base_bits, -1))
+    assert_bit_equal(pieces.recon, whole.recon)
+    assert np.array_equal(pieces.data, whole.data) and (pieces.data == ESCAPE).sum() == 2
+    if whole.side is not None:
+        stored = whole.data.reshape(-1)  # side codes matter only for the chunks that are stored
+        for k, (lo, hi) in enumerate(chunk_runs(tuple(base.shape), chunks)):
+            if stored[lo:hi].any():
+                assert np.array_equal(pieces.side[k], whole.side[k])
 
 
 def test_a_lazy_slice_of_a_block_delta_reads_the_same_bits_as_a_whole_load(local_store):
