@@ -33,7 +33,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Literal, Sequence, Union
 
 import crc32c
 import numpy as np
@@ -320,6 +320,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 #: elements per piece where a temporary of a whole large tensor would cost its page faults
 _PIECE = 1 << 20
+#: bytes of values a lossy encode takes at a time (whole chunks): its ~10 passes stay in the
+#: CPU's cache (measured: 1.4x faster than passes over a whole 64 MB tensor; 1 MiB is too small)
+_PIECE_BYTES = 4 << 20
+
+
+class _NonFinite(Exception):
+    """A quantizer met a NaN or infinite change."""
 
 
 def _flat_pair(value: torch.Tensor, base: torch.Tensor, ct: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,6 +366,59 @@ def _unchunk(rows: torch.Tensor, runs: list[tuple[int, int]], out: torch.Tensor)
     for k, (lo, hi) in enumerate(runs):
         out[lo:hi] = rows[k, : hi - lo]
     return out
+
+
+#: A quantizer of a piece of whole chunks (:func:`_quantize_in_pieces`): given flat values and
+#: base (compute dtype), the chunks' runs within them, the padded chunk size, and flat buffers
+#: for the restored values (compute dtype; its scratch until then) and the int8 codes, it
+#: writes both and returns its per-chunk side data and the mask of escaped elements (or
+#: ``None`` for either), or ``None`` when every code would be 0 (the buffers hold nothing).
+_Quantizer = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int]], int, torch.Tensor, torch.Tensor],
+                      Union[tuple[Any, Union[torch.Tensor, None]], None]]
+
+
+def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...], out: torch.Tensor | None,
+                        quantize: _Quantizer) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Any]]] | None:
+    """A lossy delta of ``value`` against ``base`` (its bits), :data:`_PIECE_BYTES` of whole
+    chunks at a time: (int8 codes, bits of the reconstruction, in ``out`` when it is on value's
+    device, and each piece's chunk count and side data, ``None`` if it has none or its codes
+    are all 0), or ``None`` when every code is 0. Escaped elements keep their exact bits."""
+    ct = _compute_dtype(value.dtype)
+    flat = value.reshape(-1)
+    base_values = base.to(value.device, non_blocking=True).view(value.dtype).reshape(-1)
+    recon = out.view(value.dtype).reshape(-1) if out is not None and out.device == value.device else torch.empty_like(flat)
+    codes = torch.empty(flat.shape, dtype=torch.int8, device=flat.device)
+    runs, padded = chunk_runs(tuple(value.shape), chunks), math.prod(chunks)
+    per = max(1, _PIECE_BYTES // (padded * flat.element_size()))
+    staging = None if ct == value.dtype else torch.empty(min(per * padded, flat.numel()), dtype=ct, device=flat.device)
+    sides: list[tuple[int, Any]] = []
+    escaped: list[torch.Tensor] = []
+    moved = False
+    for k in range(0, len(runs), per):
+        part = runs[k: k + per]
+        lo, hi = part[0][0], part[-1][1]
+        restored = recon[lo:hi] if staging is None else staging[: hi - lo]
+        quantized = quantize(flat[lo:hi].to(ct), base_values[lo:hi].to(ct), [(a - lo, z - lo) for a, z in part],
+                             padded, restored, codes[lo:hi])
+        if quantized is None:  # nothing in these chunks moved past half a step: they keep their base
+            codes[lo:hi] = 0
+            recon[lo:hi] = base_values[lo:hi]
+            sides.append((len(part), None))
+            continue
+        side, exact = quantized
+        moved = True
+        if staging is not None:
+            recon[lo:hi] = restored
+        if exact is not None:
+            escaped.append(exact.nonzero().view(-1) + lo)
+        sides.append((len(part), side))
+    if not moved:
+        return None
+    bits = to_bits(recon)
+    if escaped:
+        at = torch.cat(escaped)
+        bits[at] = to_bits(flat)[at]
+    return codes, bits, sides
 
 
 @dataclass(frozen=True)
@@ -473,29 +533,39 @@ class QuantizedDeltaCodec(DeltaCodec):
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
              out: torch.Tensor | None = None) -> Delta | None:
-        ct = _compute_dtype(value.dtype)
-        v, b = _flat_pair(value, base, ct)
-        runs = chunk_runs(tuple(value.shape), chunks)
-        scratch = _scratch(out, value)
-        rows, tiled = _by_chunk(torch.sub(v, b, out=scratch), runs, math.prod(chunks))
+        try:
+            delta = _quantize_in_pieces(value, base, chunks, out, self._quantize)
+        except _NonFinite:
+            return DiffDeltaCodec().diff(value, base, chunks)  # never quantize NaN/inf
+        if delta is None:
+            return None
+        codes, bits, sides = delta
+        scales = [scale for n, piece in sides for scale in (piece if piece is not None else [0.0] * n)]
+        return Delta(codes.to("cpu").numpy().reshape(tuple(value.shape)), bits.to("cpu").reshape(base.shape),
+                     {"scales": [s.hex() for s in scales], "bits": self.bits})
+
+    def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
+                  restored: torch.Tensor, codes: torch.Tensor) -> tuple[list[float], None] | None:
+        rows, tiled = _by_chunk(torch.sub(v, b, out=restored), runs, padded)
         peak = torch.maximum(rows.amax(-1), rows.amin(-1).neg_())  # NaN or inf if any change is
         if not bool(torch.isfinite(peak).all()):
-            return DiffDeltaCodec().diff(value, base, chunks)  # never quantize NaN/inf
+            raise _NonFinite
         scales = (peak.double() / self.qmax).tolist()  # float(peak) / qmax, as readers get them
         # Every chunk at once, with the same single IEEE operations as dequantize's per chunk
         # (the scale rounded to the compute dtype, q * scale, then + base), so readers agree.
-        scale = torch.tensor(scales, dtype=torch.float64).to(device=v.device, dtype=ct).unsqueeze(-1)
+        scale = torch.tensor(scales, dtype=torch.float64).to(device=v.device, dtype=v.dtype).unsqueeze(-1)
         q = rows.div_(torch.where(scale > 0, scale, 1)).round_().clamp_(-self.qmax, self.qmax)
-        codes = q.to(torch.int8)
+        if tiled:
+            codes.view_as(q).copy_(q)
+        else:
+            _unchunk(q.to(torch.int8), runs, codes)
         if not int(torch.count_nonzero(codes)):
             return None
         moved = q.mul_(scale)
-        restored = moved.view(-1) if tiled else _unchunk(moved, runs, scratch if scratch is not None else torch.empty_like(v))
+        if not tiled:
+            _unchunk(moved, runs, restored)
         restored.add_(b)
-        host_codes = _unchunk(codes, runs, torch.empty(v.shape, dtype=torch.int8, device=v.device)) if not tiled else codes
-        recon = to_bits(restored.to(value.dtype))
-        return Delta(host_codes.to("cpu").numpy().reshape(tuple(value.shape)), recon.to("cpu").reshape(base.shape),
-                     {"scales": [s.hex() for s in scales], "bits": self.bits})
+        return scales, None
 
     def apply(self, stored: np.ndarray, base: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> np.ndarray:
         assert entry.params is not None
@@ -529,9 +599,6 @@ ESCAPE = -128
 #: what a lossy codec's quantizer returns besides its codes and restored values: side codes per
 #: chunk, the mask of the escaped elements (each ``None`` if there are none)
 _Quantized = tuple[Union[torch.Tensor, None], Union[torch.Tensor, None]]
-#: bytes of values a lossy encode takes at a time (whole chunks): its ~10 passes stay in the
-#: CPU's cache (measured: 1.4x faster than passes over a whole 64 MB tensor; 1 MiB is too small)
-_PIECE_BYTES = 4 << 20
 
 
 def _coded_chunk(raw: np.ndarray, n: int, side: int, sparse_codes: bool) -> tuple[np.ndarray | None, np.ndarray, int]:
@@ -585,15 +652,18 @@ class _CodedDelta(DeltaCodec):
         return stored
 
     def serialize_chunks(self, rows: np.ndarray, sides: np.ndarray | None, recons: list[np.ndarray]) -> list[Any]:
-        coded = encode_codes_many(rows) if self.sparse_codes else [ans_encode(r) if r.any() else None for r in rows]
+        if self.sparse_codes:
+            coded, escapes = encode_codes_many(rows, find=ESCAPE)
+        else:
+            coded = [ans_encode(r) if r.any() else None for r in rows]
+            escapes = [np.flatnonzero(r == ESCAPE) for r in rows]
         out: list[Any] = []
-        for row, codes, side, recon in zip(rows, coded, [None] * len(rows) if sides is None else sides, recons):
+        for codes, escaped, side, recon in zip(coded, escapes, [None] * len(rows) if sides is None else sides, recons):
             if codes is None:
                 out.append(None)
                 continue
             parts = [codes] if side is None else [ans_encode(side), codes]
-            escaped = np.flatnonzero(row[: recon.size] == ESCAPE)
-            if escaped.size:
+            if escaped.size:  # (in the padding of an edge chunk every code is 0)
                 parts.append(recon.reshape(-1)[escaped].astype(recon.dtype.newbyteorder("<")).tobytes())
             out.append(b"".join(parts))
         return out
@@ -625,41 +695,10 @@ class _CodedDelta(DeltaCodec):
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
              out: torch.Tensor | None = None) -> Delta | None:
-        ct = _compute_dtype(value.dtype)
-        flat = value.reshape(-1)
-        base_values = base.to(value.device, non_blocking=True).view(value.dtype).reshape(-1)
-        recon = out.view(value.dtype).reshape(-1) if out is not None and out.device == value.device else torch.empty_like(flat)
-        codes = torch.empty(flat.shape, dtype=torch.int8, device=flat.device)
-        runs, padded = chunk_runs(tuple(value.shape), chunks), math.prod(chunks)
-        per = max(1, _PIECE_BYTES // (padded * flat.element_size()))
-        staging = None if ct == value.dtype else torch.empty(min(per * padded, flat.numel()), dtype=ct, device=flat.device)
-        sides: list[tuple[int, torch.Tensor | None]] = []
-        escaped: list[torch.Tensor] = []
-        moved = False
-        for k in range(0, len(runs), per):
-            part = runs[k: k + per]
-            lo, hi = part[0][0], part[-1][1]
-            restored = recon[lo:hi] if staging is None else staging[: hi - lo]
-            quantized = self._quantize(flat[lo:hi].to(ct), base_values[lo:hi].to(ct), [(a - lo, z - lo) for a, z in part],
-                                       padded, restored, codes[lo:hi])
-            if quantized is None:  # nothing in these chunks moved past half a step: they keep their base
-                codes[lo:hi] = 0
-                recon[lo:hi] = base_values[lo:hi]
-                sides.append((len(part), None))
-                continue
-            moved = True
-            side, exact = quantized
-            if staging is not None:
-                recon[lo:hi] = restored
-            if exact is not None:
-                escaped.append(exact.nonzero().view(-1) + lo)
-            sides.append((len(part), side))
-        if not moved:
+        delta = _quantize_in_pieces(value, base, chunks, out, self._quantize)
+        if delta is None:
             return None
-        bits = to_bits(recon)
-        if escaped:
-            at = torch.cat(escaped)
-            bits[at] = to_bits(flat)[at]
+        codes, bits, sides = delta
         side_codes = None
         present = [side for _, side in sides if side is not None]
         if present:  # (a piece that did not move has no side codes: its chunks are not stored)
@@ -670,11 +709,7 @@ class _CodedDelta(DeltaCodec):
 
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
                   restored: torch.Tensor, codes: torch.Tensor) -> _Quantized | None:
-        """The int8 codes of flat ``v`` against ``b`` (compute dtype, on their device), whose
-        chunks are ``runs``, into ``codes``, and the restored values into ``restored`` (flat,
-        compute dtype; the quantizer's scratch until then); returns the side codes and the
-        mask of the escaped elements, or ``None`` when every code would be 0 (``codes`` and
-        ``restored`` then hold nothing)."""
+        """A :data:`_Quantizer`: the side codes are one row per chunk."""
         raise NotImplementedError
 
     def params(self) -> dict[str, Any]:
@@ -899,10 +934,11 @@ def sparse_decode(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> n
 
 def pack4_encode(chunk: np.ndarray) -> bytes:
     """int8 codes in [-7, 7] as nibbles ``code + 8``, two per byte (low nibble first)."""
-    flat = (chunk.reshape(-1).astype(np.int16) + 8).astype(np.uint8)
-    if flat.size % 2:
-        flat = np.append(flat, np.uint8(8))
-    return (flat[0::2] | (flat[1::2] << 4)).tobytes()
+    nibbles = chunk.reshape(-1).view(np.uint8) + np.uint8(8)  # code + 8, in 1..15 (mod 256)
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(8))
+    pairs = nibbles.view("<u2")  # (low nibble in bits 0-3, high in bits 8-11: shifted to 4-7)
+    return (pairs | (pairs >> 4)).astype(np.uint8).tobytes()
 
 
 def pack4_decode(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import constriction
 import numpy as np
-import torch
 
 # constriction's submodules live in its extension module: attributes, not importable packages.
 AnsCoder = constriction.stream.stack.AnsCoder
@@ -87,18 +86,21 @@ def encode_codes(codes: np.ndarray) -> bytes:
     length, 0 to 32), ``u32 m`` and ``m`` bytes of the gaps' extra bits (a gap of class
     ``c >= 2`` is ``2^(c-1) + x``, ``x`` in ``c - 1`` bits, least significant first, packed
     little-endian bit order), a coded block of the ``k`` codes."""
-    return encode_codes_many(codes.reshape(1, -1))[0] or bytes([DENSE]) + ans_encode(codes)
+    return encode_codes_many(codes.reshape(1, -1))[0][0] or bytes([DENSE]) + ans_encode(codes)
 
 
-def encode_codes_many(rows: np.ndarray) -> list[bytes | None]:
+def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[bytes | None], list[np.ndarray]]:
     """:func:`encode_codes` of each row of ``rows`` (int8, ``(chunks, n)``), the same bytes, or
-    ``None`` for a row of zeros. The sparse rows' gaps and extra bits are found in one
-    vectorized pass over all of them (row by row, ~25 small numpy calls cost several times
-    their arithmetic, holding the GIL); the passes over every code run row by row (a temporary
-    of all rows would cost its page faults), as does the coder."""
+    ``None`` for a row of zeros; and the positions of the nonzero code ``find`` in each row
+    (an empty list without it), found among the nonzero codes of sparse rows. The sparse rows'
+    gaps and extra bits are found in one vectorized pass over all of them (row by row, ~25
+    small numpy calls cost several times their arithmetic, holding the GIL); the passes over
+    every code run row by row (a temporary of all rows would cost its page faults), as does
+    the coder."""
     n = rows.shape[1]
     sparse_ok = _SPARSE_MIN_CODES <= n < 1 << 32
     out: list[bytes | None] = []
+    found: list[np.ndarray] = []
     picked, positions, kept = [], [], []
     for j, row in enumerate(rows):
         nonzero = row != 0
@@ -108,13 +110,19 @@ def encode_codes_many(rows: np.ndarray) -> list[bytes | None]:
             positions.append(np.flatnonzero(nonzero))
             kept.append(row[positions[-1]])
             out.append(b"")  # below
+            if find is not None:
+                found.append(positions[-1][kept[-1] == find])
         else:
             out.append(None if count == 0 else bytes([DENSE]) + ans_encode(row))
+            if find is not None:
+                found.append(np.flatnonzero(row == find) if count else np.empty(0, np.int64))
     if not picked:
-        return out
+        return out, found
     at, codes = np.concatenate(positions), np.concatenate(kept)
     bounds = np.concatenate(([0], np.cumsum([p.size for p in positions])))
-    gaps = np.diff(at, prepend=-1) - 1
+    gaps = np.empty_like(at)
+    np.subtract(at[1:], at[:-1], out=gaps[1:])
+    gaps[1:] -= 1
     gaps[bounds[:-1]] = at[bounds[:-1]]  # a row's first gap counts from its start (every picked row has one)
     classes, words, starts, nbits = _gaps_pack(gaps, bounds)
     for r, j in enumerate(picked):
@@ -122,7 +130,7 @@ def encode_codes_many(rows: np.ndarray) -> list[bytes | None]:
         extra = words[8 * starts[r]: 8 * starts[r] + -(-nbits[r] // 8)]
         out[j] = b"".join([bytes([SPARSE]), np.uint32(hi - lo).astype("<u4").tobytes(), ans_encode(classes[lo:hi]),
                            np.uint32(extra.size).astype("<u4").tobytes(), extra.tobytes(), ans_encode(codes[lo:hi])])
-    return out
+    return out, found
 
 
 def decode_codes(raw: np.ndarray, n: int) -> tuple[np.ndarray, int]:

@@ -65,10 +65,11 @@ def test_a_run_of_chunks_encodes_each_chunk_as_it_would_alone():
                      _codes(n, 0.1, seed=8), _codes(n, 0.2, seed=9)])
     rows[3, 0], rows[3, -1] = -128, 7  # nonzero first and last codes
     rows[4, : n // 2] = 0  # a long first gap
-    coded = encode_codes_many(rows)
+    coded, escapes = encode_codes_many(rows, find=-128)
     assert coded[1] is None  # a chunk of zeros is not stored
     assert [c[0] for c in coded if c is not None] == [SPARSE, DENSE, SPARSE, SPARSE, DENSE]
-    for row, block in zip(rows, coded):
+    for row, block, escaped in zip(rows, coded, escapes):
+        assert np.array_equal(escaped, np.flatnonzero(row == -128))
         if block is not None:
             back, used = decode_codes(np.frombuffer(block, np.uint8), n)
             assert used == len(block) and np.array_equal(back, row)
