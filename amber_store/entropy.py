@@ -185,7 +185,7 @@ def _gaps_pack(gaps: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.nda
     starts = np.concatenate(([0], np.cumsum(nbits // 64 + 2)))
     start = ends[:-1] + np.repeat(starts[:-1] * 64 - ends[bounds[:-1]], np.diff(bounds))
     window = start >> 5
-    first = np.flatnonzero(np.diff(window, prepend=-1))
+    first = np.flatnonzero(np.diff(window, prepend=-1) != 0)
     packed = np.bitwise_or.reduceat(low << (start & 31).astype(np.uint64), first) if first.size else low
     words = np.zeros(2 * starts[-1], dtype=np.uint32)
     words[window[first]] |= packed.astype(np.uint32)
