@@ -393,16 +393,19 @@ def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[i
     staging = None if ct == value.dtype else torch.empty(min(per * padded, flat.numel()), dtype=ct, device=flat.device)
     sides: list[tuple[int, Any]] = []
     escaped: list[torch.Tensor] = []
+    still: list[tuple[int, int]] = []
     moved = False
     for k in range(0, len(runs), per):
         part = runs[k: k + per]
         lo, hi = part[0][0], part[-1][1]
         restored = recon[lo:hi] if staging is None else staging[: hi - lo]
-        quantized = quantize(flat[lo:hi].to(ct), base_values[lo:hi].to(ct), [(a - lo, z - lo) for a, z in part],
-                             padded, restored, codes[lo:hi])
+        if len(part) == len(runs):  # one piece (most tensors): no slices, whose cost is per call
+            quantized = quantize(flat.to(ct), base_values.to(ct), runs, padded, restored, codes)
+        else:
+            quantized = quantize(flat[lo:hi].to(ct), base_values[lo:hi].to(ct), [(a - lo, z - lo) for a, z in part],
+                                 padded, restored, codes[lo:hi])
         if quantized is None:  # nothing in these chunks moved past half a step: they keep their base
-            codes[lo:hi] = 0
-            recon[lo:hi] = base_values[lo:hi]
+            still.append((lo, hi))
             sides.append((len(part), None))
             continue
         side, exact = quantized
@@ -414,6 +417,9 @@ def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[i
         sides.append((len(part), side))
     if not moved:
         return None
+    for lo, hi in still:
+        codes[lo:hi] = 0
+        recon[lo:hi] = base_values[lo:hi]
     bits = to_bits(recon)
     if escaped:
         at = torch.cat(escaped)
@@ -701,7 +707,9 @@ class _CodedDelta(DeltaCodec):
         codes, bits, sides = delta
         side_codes = None
         present = [side for _, side in sides if side is not None]
-        if present:  # (a piece that did not move has no side codes: its chunks are not stored)
+        if len(present) == len(sides) == 1:
+            side_codes = present[0].to("cpu").numpy()
+        elif present:  # (a piece that did not move has no side codes: its chunks are not stored)
             side_codes = torch.cat([side if side is not None else present[0].new_zeros(n, present[0].shape[1])
                                     for n, side in sides]).to("cpu").numpy()
         return Delta(codes.to("cpu").numpy().reshape(tuple(value.shape)), bits.to("cpu").reshape(base.shape),
@@ -799,8 +807,10 @@ class BlockDeltaCodec(_CodedDelta):
         peak = torch.maximum(changes.amax(-1), changes.amin(-1).neg_())
         exact = None
         if not bool(torch.isfinite(peak).all()):
-            exact = ~torch.isfinite(changes)
-            changes.masked_fill_(exact, 0)
+            unknown = ~torch.isfinite(changes)
+            changes.masked_fill_(unknown, 0)  # (an infinity that stays, as in a causal mask, is a change of 0)
+            exact = unknown & blocked(v != b)[0]
+            exact = exact if bool(exact.any()) else None
             peak = changes.abs().amax(-1)
         rms = _block_norms(blocked(v)[0]).div_(math.sqrt(self.block))
         e = torch.log2(rms.mul_(self.step)).round_().nan_to_num_(0, posinf=126, neginf=-126)

@@ -103,19 +103,22 @@ def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[b
     found: list[np.ndarray] = []
     picked, positions, kept = [], [], []
     for j, row in enumerate(rows):
-        nonzero = row != 0
-        count = np.count_nonzero(nonzero)
-        if sparse_ok and 0 < count <= _SPARSE_AT_MOST * n:
-            picked.append(j)
-            positions.append(np.flatnonzero(nonzero))
-            kept.append(row[positions[-1]])
-            out.append(b"")  # below
-            if find is not None:
-                found.append(positions[-1][kept[-1] == find])
+        if sparse_ok:
+            nonzero = row != 0
+            count = np.count_nonzero(nonzero)
+            if 0 < count <= _SPARSE_AT_MOST * n:
+                picked.append(j)
+                positions.append(np.flatnonzero(nonzero))
+                kept.append(row[positions[-1]])
+                out.append(b"")  # below
+                if find is not None:
+                    found.append(positions[-1][kept[-1] == find])
+                continue
         else:
-            out.append(None if count == 0 else bytes([DENSE]) + ans_encode(row))
-            if find is not None:
-                found.append(np.flatnonzero(row == find) if count else np.empty(0, np.int64))
+            count = int(row.any())
+        out.append(None if count == 0 else bytes([DENSE]) + ans_encode(row))
+        if find is not None:
+            found.append(np.flatnonzero(row == find) if count else np.empty(0, np.int64))
     if not picked:
         return out, found
     at, codes = np.concatenate(positions), np.concatenate(kept)

@@ -156,6 +156,30 @@ def test_entropy_coded_deltas_store_non_finite_values_exactly_in_any_float_dtype
     assert bool((got[finite] != w2[finite]).any())
 
 
+def test_infinities_that_stay_put_are_not_escaped_and_come_back_exact(local_store):
+    # a causal attention mask (-inf above the diagonal) in a tensor whose other values move
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(64, 64, generator=g).masked_fill_(torch.ones(64, 64, dtype=torch.bool).triu(1), -float("inf"))
+    w2 = w * (1 + 0.05 * torch.rand(64, 64, generator=g))
+    codec = amber.BlockDeltaCodec(step=0.05)
+    delta = codec.diff(w2, to_bits(w).clone(), (64, 64))
+    assert (delta.data == ESCAPE).sum() == 0 and (delta.data != 0).any()
+    w3 = w2.clone()
+    w3[0, 5] = 2.0  # an infinity that moves is stored exactly
+    assert (codec.diff(w3, to_bits(w).clone(), (64, 64)).data == ESCAPE).sum() == 1
+    store = local_store(codec=codec)
+    for step, state in enumerate([w, w2, w3], 1):
+        store.save(step, {"w": state})
+    assert store.manifest(2).tensors["w"].encoding == "block"
+    reader = local_store(mode="r")
+    for step, state in enumerate([w, w2, w3], 1):
+        got = reader.load(step, lazy=False)["w"]
+        inf = torch.isinf(state)
+        assert_bit_equal(got[inf], state[inf])
+        assert torch.allclose(got[~inf], state[~inf], rtol=0.1, atol=0.1)
+    assert codec.diff(w, to_bits(w).clone(), (64, 64)) is None  # nothing moved: no delta at all
+
+
 def test_a_change_of_exactly_half_a_block_step_is_no_delta_and_one_just_over_it_is():
     codec = amber.BlockDeltaCodec(step=0.25, block=4)  # values near 1: a step of 2^-2
     base = torch.ones(8)
