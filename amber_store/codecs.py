@@ -890,8 +890,9 @@ class RatioDeltaCodec(_CodedDelta):
         codes.copy_(q.nan_to_num_(0).clamp_(-127, 127))
         exact = None
         if ok is not None:
+            # (an element equal to its base has q = 0, or NaN for 0/0 and inf/inf: code 0 already)
             exact = ~ok & (v != b)
-            codes.masked_fill_(exact, ESCAPE).masked_fill_(~ok & (v == b), 0)
+            codes.masked_fill_(exact, ESCAPE)
         if not int(torch.count_nonzero(codes)):  # (a third of the time of any() on int8)
             return None
         self._restore(b, codes, None, out=restored)  # (q is spent: its buffer is free)

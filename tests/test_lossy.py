@@ -180,6 +180,20 @@ def test_infinities_that_stay_put_are_not_escaped_and_come_back_exact(local_stor
     assert codec.diff(w, to_bits(w).clone(), (64, 64)) is None  # nothing moved: no delta at all
 
 
+def test_ratio_deltas_escape_only_the_values_they_cannot_code_that_moved():
+    base = torch.tensor([1.0, 2.0, 0.0, -3.0, float("inf"), 0.0, 4.0, -1.0] * 40)
+    value = base.clone()
+    value[0::8] *= 1.5  # coded
+    value[5::8] = 2.0  # a zero that moves: escaped (no ratio reaches it)
+    value[7::8] = -2.0  # a negative that moves: escaped
+    delta = amber.RatioDeltaCodec(step=0.1).diff(value, to_bits(base).clone(), (320,))
+    codes = torch.from_numpy(delta.data).view(40, 8)
+    assert bool((codes[:, 0] != 0).all()) and bool((codes[:, 1:5] == 0).all()) and bool((codes[:, 6] == 0).all())
+    assert bool((codes[:, 5] == ESCAPE).all()) and bool((codes[:, 7] == ESCAPE).all())
+    recon = delta.recon.view(torch.float32).view(40, 8)
+    assert_bit_equal(recon[:, 1:], value.view(40, 8)[:, 1:])  # uncoded ones stay, escaped ones are exact
+
+
 def test_a_change_of_exactly_half_a_block_step_is_no_delta_and_one_just_over_it_is():
     codec = amber.BlockDeltaCodec(step=0.25, block=4)  # values near 1: a step of 2^-2
     base = torch.ones(8)
