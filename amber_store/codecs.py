@@ -112,6 +112,13 @@ class DeltaCodec(ArrayArrayCodec):
     def applies_to(self, dtype: str, numel: int) -> bool:
         return True
 
+    @property
+    def batch_align(self) -> int:
+        """Whether small tensors of this codec may be diffed together, concatenated, each
+        zero-padded to a multiple of this many elements, with the same result as alone (0:
+        no; the quantizer has a scale per chunk, or a count per tensor)."""
+        return 0
+
     def storage_dtype(self, dtype: str) -> np.dtype:
         """dtype of the zarr array holding this codec's deltas."""
         return bits_numpy_dtype(dtype)
@@ -782,6 +789,10 @@ class BlockDeltaCodec(_CodedDelta):
     def side_width(self) -> int:
         return self.block
 
+    @property
+    def batch_align(self) -> int:
+        return self.block  # (blocks count from each tensor's start)
+
     @classmethod
     def for_entry(cls, entry: TensorEntry) -> DeltaCodec:
         params = entry.params or {}
@@ -866,6 +877,10 @@ class RatioDeltaCodec(_CodedDelta):
     def for_entry(cls, entry: TensorEntry) -> DeltaCodec:
         params = entry.params or {}
         return cls(step=params["step"], sparse_codes=params.get("sparse_codes", False))
+
+    @property
+    def batch_align(self) -> int:
+        return 1  # (element by element)
 
     def params(self) -> dict[str, Any]:
         return {"step": self.step, "sparse_codes": self.sparse_codes}

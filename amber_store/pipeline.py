@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import threading
 import time
 import weakref
@@ -166,6 +167,29 @@ async def _running_loop() -> asyncio.AbstractEventLoop:
     return asyncio.get_running_loop()
 
 
+#: bytes of small tensors diffed together (:meth:`StepWriter._diff_batch`)
+BATCH_BYTES = 4 << 20
+
+
+@dataclass
+class _Small:
+    """A small tensor waiting for its batch's diff."""
+
+    key: str
+    tensor: torch.Tensor
+    base: Base
+    chunks: tuple[int, ...]
+    keep: bool
+
+
+@dataclass
+class _Batch:
+    """Small tensors of one codec and dtype waiting to be diffed together."""
+
+    items: list[_Small] = field(default_factory=list)
+    nbytes: int = 0
+
+
 @dataclass
 class _Pending:
     """A large tensor whose chunks are encoding."""
@@ -300,6 +324,8 @@ class StepWriter:
         self._encoding: deque[_Pending] = deque()
         self._writes: dict[Future[None], int] = {}
         self._inflight = 0
+        self._batches: dict[tuple[DeltaCodec, torch.dtype], _Batch] = {}
+        self._order: list[str] = []  # the tensors as added: batched ones are written later
 
     # --- adding tensors -------------------------------------------------------------------
 
@@ -329,6 +355,17 @@ class StepWriter:
         codec = codec or codec_named("lossless")
         if base is not None:
             codec = codec.with_base(base.step, base.entry.array or "")
+        self._order.append(key)
+        if packed and base is not None and codec.batch_align and tensor.device.type == "cpu":
+            # diffed with the other small tensors of its codec: a small tensor's diff is ~25
+            # calls whose cost hardly depends on its size (a 3.2M-parameter GPT's 88 small
+            # block-coded tensors: 28 ms alone, 11 ms together)
+            batch = self._batches.setdefault((codec, tensor.dtype), _Batch())
+            batch.items.append(_Small(key, tensor, base, chunks, keep))
+            batch.nbytes += nbytes
+            if batch.nbytes >= BATCH_BYTES:
+                self._diff_batch(codec, tensor.dtype)
+            return
         delta = None
         if base is not None and (tensor.device.type != "cpu" or not isinstance(codec, LosslessDeltaCodec)):
             out = self._recycle(key, to_bits(tensor)) if keep and tensor.device.type == "cpu" else None
@@ -336,8 +373,40 @@ class StepWriter:
             if delta is None:
                 self._same(key, name, shape, chunks, base, nbytes)
                 return
-            if isinstance(codec, QuantizedDeltaCodec) and delta.params is None:
-                codec = DiffDeltaCodec(base.step, base.entry.array or "")  # non-finite values: stored exactly
+        self._add_encoded(key, tensor, base, codec, chunks, packed, delta, keep)
+
+    def _diff_batch(self, codec: DeltaCodec, dtype: torch.dtype) -> None:
+        """Diff a batch of small tensors as one: concatenated, each zero-padded to the codec's
+        :attr:`~amber_store.codecs.DeltaCodec.batch_align`, so each one's codes, side codes
+        and reconstruction are what diffing it alone gives."""
+        batch = self._batches.pop((codec, dtype)).items
+        align = codec.batch_align
+        spans = [fmt.round_up(item.tensor.numel(), align) for item in batch]
+        starts = [0, *itertools.accumulate(spans)]
+        values = torch.zeros(starts[-1], dtype=dtype)
+        bases = torch.zeros(starts[-1], dtype=batch[0].base.bits.dtype)
+        for item, at in zip(batch, starts):
+            values[at: at + item.tensor.numel()] = item.tensor.reshape(-1)
+            bases[at: at + item.tensor.numel()] = item.base.bits.reshape(-1)
+        delta = codec.diff(values, bases, (starts[-1],))
+        for item, at, span in zip(batch, starts, spans):
+            shape, n = tuple(item.tensor.shape), item.tensor.numel()
+            codes = None if delta is None else delta.data[at: at + n]
+            if codes is None or not codes.any():
+                self._same(item.key, dtype_name(dtype), shape, item.chunks, item.base, n * item.tensor.element_size())
+                continue
+            side = None if delta.side is None else delta.side[:, at // align: (at + span) // align]
+            own = Delta(codes.reshape(shape), delta.recon[at: at + n].view(shape), delta.params, side)
+            self._add_encoded(item.key, item.tensor, item.base, codec, item.chunks, True, own, item.keep)
+
+    def _add_encoded(self, key: str, tensor: torch.Tensor, base: Base | None, codec: DeltaCodec,
+                     chunks: tuple[int, ...], packed: bool, delta: Delta | None, keep: bool) -> None:
+        """A tensor's entry and its stored data: ``delta`` precomputed, or ``None`` (its raw bits
+        on the host: diffed here, chunk by chunk)."""
+        name, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
+        nbytes = tensor.numel() * tensor.element_size()
+        if base is not None and isinstance(codec, QuantizedDeltaCodec) and delta is not None and delta.params is None:
+            codec = DiffDeltaCodec(base.step, base.entry.array or "")  # non-finite values: stored exactly
         encoding = "full" if base is None else codec.encoding
         array = None if packed else f"{self._group}/{fmt.array_name(key)}"
         entry = TensorEntry(name, list(shape), list(chunks), encoding, None if base is None else base.step,  # type: ignore[arg-type]
@@ -502,11 +571,14 @@ class StepWriter:
 
     def finish(self) -> Written:
         """Write what is left and wait for every write."""
+        for codec, dtype in list(self._batches):
+            self._diff_batch(codec, dtype)
         self._max_inflight = -1  # from here on, wait for everything
         self._drain(block=True)
         self._write_pack()
         self._reap(block=True)
         assert not self._writes and not self._encoding
+        self._out.entries = {key: self._out.entries[key] for key in self._order}
         return self._out
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from zarr.core.sync import sync
 
 import amber_store as amber
 from amber_store import codecs as amber_codecs
+from amber_store import pipeline as amber_pipeline
 from amber_store.codecs import ESCAPE, AnsBytesCodec, Pack4BytesCodec, SparseBytesCodec
 from amber_store.format import chunk_runs, to_bits
 from conftest import assert_bit_equal
@@ -300,6 +301,39 @@ def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch
         for k, (lo, hi) in enumerate(chunk_runs(tuple(base.shape), chunks)):
             if stored[lo:hi].any():
                 assert np.array_equal(pieces.side[k], whole.side[k])
+
+
+@pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.05, block=64), amber.RatioDeltaCodec(step=0.02)])
+@pytest.mark.parametrize("batch_bytes", [None, 2048])  # one batch; batches flushed as they fill
+def test_small_tensors_diffed_together_store_what_each_diffed_alone_would(monkeypatch, local_store, codec,
+                                                                          batch_bytes):
+    if batch_bytes:
+        monkeypatch.setattr(amber_pipeline, "BATCH_BYTES", batch_bytes)
+    g = torch.Generator().manual_seed(8)
+    shapes = [(256,), (300,), (100, 3), (513,), (1000,), (4096,), (40,)]  # block-aligned or not; one too small
+    base = {f"t{i}": torch.rand(shape, generator=g) + 0.5 for i, shape in enumerate(shapes)}
+    value = {k: t * (1 + 0.1 * torch.randn(t.shape, generator=g)) for k, t in base.items()}
+    value["t2"] = base["t2"].clone()  # still: stored as "same"
+    value["t4"][7] = float("nan")  # escaped
+    store = local_store(codec=codec)
+    store.save(1, base)
+    store.save(2, value)
+    m = store.manifest(2)
+    assert list(m.tensors) == list(value)  # the step keeps the order of its tensors
+    got = local_store(mode="r").load(2, lazy=False)
+    for k, t in value.items():
+        entry = m.tensors[k]
+        assert entry.pack is not None or entry.encoding == "same"
+        if t.numel() < codec.min_numel:
+            assert_bit_equal(got[k], t)
+            continue
+        alone = codec.diff(t, to_bits(base[k]).clone(), tuple(t.shape))
+        if alone is None:
+            assert entry.encoding == "same"
+            assert_bit_equal(got[k], base[k])
+        else:
+            assert entry.encoding == codec.encoding
+            assert_bit_equal(to_bits(got[k]), alone.recon)
 
 
 def test_a_lazy_slice_of_a_block_delta_reads_the_same_bits_as_a_whole_load(local_store):
