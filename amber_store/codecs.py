@@ -375,13 +375,16 @@ def _unchunk(rows: torch.Tensor, runs: list[tuple[int, int]], out: torch.Tensor)
     return out
 
 
+#: what a quantizer returns besides its codes and restored values: its per-chunk side data
+#: and the mask of the escaped elements (each ``None`` if there are none)
+_Quantized = tuple[Any, Union[torch.Tensor, None]]
 #: A quantizer of a piece of whole chunks (:func:`_quantize_in_pieces`): given flat values and
 #: base (compute dtype), the chunks' runs within them, the padded chunk size, and flat buffers
 #: for the restored values (compute dtype; its scratch until then) and the int8 codes, it
-#: writes both and returns its per-chunk side data and the mask of escaped elements (or
-#: ``None`` for either), or ``None`` when every code would be 0 (the buffers hold nothing).
+#: writes both and returns :data:`_Quantized`, or ``None`` when every code would be 0 (the
+#: buffers then hold nothing).
 _Quantizer = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int]], int, torch.Tensor, torch.Tensor],
-                      Union[tuple[Any, Union[torch.Tensor, None]], None]]
+                      Union[_Quantized, None]]
 
 
 def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...], out: torch.Tensor | None,
@@ -609,9 +612,6 @@ def dequantize(base: torch.Tensor, q: np.ndarray, region: tuple[slice, ...], dty
 #: The code that stands for "this element's exact bits follow the codes" in the entropy-coded
 #: lossy deltas: non-finite values, and changes their code range cannot reach.
 ESCAPE = -128
-#: what a lossy codec's quantizer returns besides its codes and restored values: side codes per
-#: chunk, the mask of the escaped elements (each ``None`` if there are none)
-_Quantized = tuple[Union[torch.Tensor, None], Union[torch.Tensor, None]]
 
 
 def _coded_chunk(raw: np.ndarray, n: int, side: int, sparse_codes: bool) -> tuple[np.ndarray | None, np.ndarray, int]:
@@ -714,11 +714,9 @@ class _CodedDelta(DeltaCodec):
         codes, bits, sides = delta
         side_codes = None
         present = [side for _, side in sides if side is not None]
-        if len(present) == len(sides) == 1:
-            side_codes = present[0].to("cpu").numpy()
-        elif present:  # (a piece that did not move has no side codes: its chunks are not stored)
-            side_codes = torch.cat([side if side is not None else present[0].new_zeros(n, present[0].shape[1])
-                                    for n, side in sides]).to("cpu").numpy()
+        if present:  # (a piece that did not move has no side codes: its chunks are not stored)
+            rows = [side if side is not None else present[0].new_zeros(n, present[0].shape[1]) for n, side in sides]
+            side_codes = (rows[0] if len(rows) == 1 else torch.cat(rows)).to("cpu").numpy()
         return Delta(codes.to("cpu").numpy().reshape(tuple(value.shape)), bits.to("cpu").reshape(base.shape),
                      self.params(), side_codes)
 
