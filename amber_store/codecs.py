@@ -70,15 +70,19 @@ Shuffle = Literal["noshuffle", "shuffle", "bitshuffle"]
 
 @dataclass
 class Delta:
-    """What a delta codec produced for one tensor: the array to store (host), the bits a reader
-    will materialize, and per-tensor parameters for the manifest."""
+    """What a delta codec produced for one tensor: the array to store (host; ``None`` for a
+    sparse delta, see :attr:`changes`), the bits a reader will materialize, and per-tensor
+    parameters for the manifest."""
 
-    data: np.ndarray
+    data: np.ndarray | None
     recon: torch.Tensor
     params: dict[str, Any] | None = None
     #: per-chunk data a codec's :meth:`DeltaCodec.serialize` stores next to the chunk's codes
     #: (one row per chunk, C order), e.g. block exponents
     side: np.ndarray | None = None
+    #: a sparse delta's stored elements instead of a mostly-zero ``data``: their flat positions
+    #: (ascending) and values (host)
+    changes: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,21 @@ class DeltaCodec(ArrayArrayCodec):
         """Bytes-like of one chunk of the stored array (chunk-shaped, C-contiguous), given the
         chunk's row of :attr:`Delta.side` and its materialized bits ``recon`` (unpadded)."""
         return chunk.reshape(-1).view(np.uint8)
+
+    def serialize_run(self, delta: Delta, first: int, runs: list[tuple[int, int]], padded: int,
+                      recons: list[np.ndarray]) -> list[Any]:
+        """:meth:`serialize_chunks` of the chunks of ``delta`` at the flat ``runs`` (adjacent;
+        ``first``: the index of the first chunk, ``padded``: elements per chunk), given their
+        materialized bits."""
+        assert delta.data is not None
+        data = delta.data.reshape(-1)
+        if all(b - a == padded for a, b in runs):
+            rows = data[runs[0][0]: runs[-1][1]].reshape(len(runs), padded)
+        else:
+            rows = np.zeros((len(runs), padded), dtype=data.dtype)
+            for r, (a, b) in enumerate(runs):
+                rows[r, : b - a] = data[a:b]
+        return self.serialize_chunks(rows, None if delta.side is None else delta.side[first: first + len(runs)], recons)
 
     def serialize_chunks(self, rows: np.ndarray, sides: np.ndarray | None, recons: list[np.ndarray]) -> list[Any]:
         """:meth:`serialize` of each chunk of a run of one tensor's chunks: ``rows`` (one a row,
@@ -466,41 +485,69 @@ class SparseDeltaCodec(DeltaCodec):
     def deserialize(self, raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         return sparse_decode(raw, shape, dtype)
 
+    def serialize_run(self, delta: Delta, first: int, runs: list[tuple[int, int]], padded: int,
+                      recons: list[np.ndarray]) -> list[Any]:
+        assert delta.changes is not None
+        at, values = delta.changes
+        cuts = np.searchsorted(at, np.asarray(runs).reshape(-1)).reshape(-1, 2)
+        return [sparse_pack(at[i:j] - lo, values[i:j]) if j > i else None for (lo, _), (i, j) in zip(runs, cuts)]
+
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
              out: torch.Tensor | None = None) -> Delta | None:
-        ct = _compute_dtype(value.dtype)
         bits, base_bits = to_bits(value).reshape(-1), base.to(value.device, non_blocking=True).reshape(-1)
-        v, b = _flat_pair(value, base_bits, ct)
-        moved = torch.sub(v, b, out=_scratch(out, value)).abs_()
+        ct = _compute_dtype(value.dtype)
         if self.topk is not None:
+            v, b = _flat_pair(value, base_bits, ct)
+            moved = torch.sub(v, b, out=_scratch(out, value)).abs_()
             k = max(1, math.ceil(self.topk * moved.numel())) if moved.numel() else 0
-            keep = torch.zeros_like(moved, dtype=torch.bool)
+            chosen = torch.zeros_like(moved, dtype=torch.bool)
             if k:
-                keep[moved.nan_to_num(math.inf).topk(k).indices] = True
-            keep &= bits != base_bits
+                chosen[moved.nan_to_num(math.inf).topk(k).indices] = True
+
+            def keep(lo: int, hi: int, into: torch.Tensor) -> torch.Tensor:
+                return torch.ne(bits[lo:hi], base_bits[lo:hi], out=into).logical_and_(chosen[lo:hi])
         else:
-            # |v - b| > threshold * |b| in pieces: one small temporary instead of two of the
-            # tensor's size (a fresh buffer costs its page faults: as much as the arithmetic)
-            keep = torch.empty(moved.shape, dtype=torch.bool, device=moved.device)
-            tmp = torch.empty(min(moved.numel(), _PIECE), dtype=ct, device=moved.device)
-            for lo in range(0, moved.numel(), _PIECE):
-                hi = min(lo + _PIECE, moved.numel())
-                torch.gt(moved[lo:hi], torch.abs(b[lo:hi], out=tmp[: hi - lo]).mul_(self.threshold), out=keep[lo:hi])
-            if not bool(torch.isfinite(moved.amax())):  # NaN/inf never compare: keep them exact
-                keep |= ~torch.isfinite(v) | ~torch.isfinite(b)
-                keep &= bits != base_bits
-            # (otherwise a kept element moved by more than 0: its bits differ)
-        idx = keep.nonzero().view(-1)
-        if idx.numel() == 0:
-            return None
-        # Only the kept elements leave the device; the dense delta is rebuilt on the host.
-        kept = bits[idx]
-        host_idx, host_bits, host_xor = idx.to("cpu"), kept.to("cpu"), (kept ^ base_bits[idx]).to("cpu")
+            size = min(value.numel(), _PIECE)
+            moved, limit = (torch.empty(size, dtype=ct, device=value.device) for _ in range(2))
+            v, b = value.reshape(-1), base_bits.view(value.dtype)
+
+            def keep(lo: int, hi: int, into: torch.Tensor) -> torch.Tensor:
+                vp, bp = v[lo:hi].to(ct), b[lo:hi].to(ct)
+                d = torch.sub(vp, bp, out=moved[: hi - lo]).abs_()
+                torch.gt(d, torch.abs(bp, out=limit[: hi - lo]).mul_(self.threshold), out=into)
+                if not bool(torch.isfinite(d.amax())):  # NaN/inf never compare: keep them exact
+                    into |= ~torch.isfinite(vp) | ~torch.isfinite(bp)
+                    into &= bits[lo:hi] != base_bits[lo:hi]
+                return into  # (otherwise a kept element moved by more than 0: its bits differ)
+
         recon = _recon_buffer(out, base)
-        recon.copy_(base.reshape(-1)).index_put_((host_idx,), host_bits)
-        dense = torch.zeros_like(recon)
-        dense[host_idx] = host_xor
-        return Delta(bits_to_numpy(dense.view(base.shape)), recon.view(base.shape), {"kept": int(idx.numel())})
+        changes = self._changes(keep, bits, base_bits, base.reshape(-1), recon)
+        if changes[0].size == 0:
+            return None
+        return Delta(None, recon.view(base.shape), {"kept": int(changes[0].size)}, changes=changes)
+
+    @staticmethod
+    def _changes(keep: Callable[[int, int, torch.Tensor], torch.Tensor], bits: torch.Tensor, base_bits: torch.Tensor,
+                 host_base: torch.Tensor, recon: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(flat positions, XOR against the base) of the elements ``keep(lo, hi, into)`` marks
+        among ``bits[lo:hi]``, on the host, with their new bits set in ``recon`` (a host buffer
+        that gets the base's bits, ``host_base``, for the rest). A piece at a time: the kept
+        elements are gathered while their piece is in the CPU's cache, only they leave the
+        device, and no mostly-zero array of the tensor's size is made (its page faults cost as
+        much as the arithmetic)."""
+        mask = torch.empty(min(bits.numel(), _PIECE), dtype=torch.bool, device=bits.device)
+        positions, values = [], []
+        for lo in range(0, bits.numel(), _PIECE):
+            hi = min(lo + _PIECE, bits.numel())
+            at = keep(lo, hi, mask[: hi - lo]).nonzero().view(-1)
+            kept = torch.index_select(bits[lo:hi], 0, at)  # (half the time of bits[lo:hi][at])
+            host_at, host_kept = at.to("cpu"), kept.to("cpu")
+            values.append(bits_to_numpy((kept ^ torch.index_select(base_bits[lo:hi], 0, at)).to("cpu")))
+            recon[lo:hi].copy_(host_base[lo:hi]).index_copy_(0, host_at, host_kept)
+            positions.append(host_at.add_(lo).numpy())
+        if not positions:
+            return np.empty(0, np.int64), bits_to_numpy(bits[:0].to("cpu"))
+        return np.concatenate(positions), np.concatenate(values)
 
 
 @dataclass(frozen=True)
@@ -570,13 +617,18 @@ class QuantizedDeltaCodec(DeltaCodec):
         # Every chunk at once, with the same single IEEE operations as dequantize's per chunk
         # (the scale rounded to the compute dtype, q * scale, then + base), so readers agree.
         scale = torch.tensor(scales, dtype=torch.float64).to(device=v.device, dtype=v.dtype).unsqueeze(-1)
-        q = rows.div_(torch.where(scale > 0, scale, 1)).round_().clamp_(-self.qmax, self.qmax)
+        if not bool((scale > 0).any()):  # (a chunk's peak change codes to at least qmax / 2)
+            return None
+        divisor = torch.where(scale > 0, scale, 1)
+        q = rows.div_(divisor).round_()
+        # |code| <= qmax but where a scale is subnormal (float32 changes below ~1e-36): decided per chunk,
+        # by its peak (division is monotonic), without a full pass
+        if bool((peak.unsqueeze(-1) / divisor).ge(self.qmax + 0.5).any()):
+            q.clamp_(-self.qmax, self.qmax)
         if tiled:
             codes.view_as(q).copy_(q)
         else:
             _unchunk(q.to(torch.int8), runs, codes)
-        if not int(torch.count_nonzero(codes)):
-            return None
         moved = q.mul_(scale)
         if not tiled:
             _unchunk(moved, runs, restored)
@@ -827,11 +879,15 @@ class BlockDeltaCodec(_CodedDelta):
         fit = torch.log2(peak / 127).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
         e = torch.maximum(e, fit).clamp_(-126, 126)  # 2^e and 2^-e normal: multiplying by them is exact
         inverse = _pow2(-e, v.dtype)
-        # A code is nonzero iff its change is over half a step (0.5 rounds to even, 0): decided
-        # per block (the scaled peak is exactly the largest scaled change), without a full pass.
-        if exact is None and not bool(peak.mul_(inverse).gt_(0.5).any()):
+        # A code is nonzero iff its change is over half a step (0.5 rounds to even, 0), and
+        # leaves +-127 only where e hit its cap (float64 changes beyond 1e40): both decided per
+        # block (the scaled peak is exactly the largest scaled change), without a full pass.
+        scaled = peak.mul_(inverse)
+        if exact is None and not bool(scaled.gt(0.5).any()):
             return None
-        q = changes.mul_(inverse.unsqueeze(-1)).round_().clamp_(-127, 127)
+        q = changes.mul_(inverse.unsqueeze(-1)).round_()
+        if bool(scaled.ge(127.5).any()):
+            q.clamp_(-127, 127)
         if whole:
             codes.view_as(q).copy_(q)
         else:
@@ -899,15 +955,19 @@ class RatioDeltaCodec(_CodedDelta):
         # (log2: half the time of log here; the code is the writer's choice, readers use the table)
         q = torch.div(v, b, out=restored).log2_().mul_(1 / math.log2(1 + self.step)).round_()
         low, high = torch.aminmax(q)  # NaN if any element is
-        ok = None if bool(low >= -127) and bool(high <= 127) and bool(v.amin() > 0) else (q.abs() <= 127) & (v > 0)
-        codes.copy_(q.nan_to_num_(0).clamp_(-127, 127))
         exact = None
-        if ok is not None:
+        if bool(low >= -127) and bool(high <= 127) and bool(v.amin() > 0):  # every element codes
+            if not (bool(low) or bool(high)):
+                return None
+            codes.copy_(q)
+        else:
+            ok = (q.abs() <= 127) & (v > 0)
+            codes.copy_(q.nan_to_num_(0).clamp_(-127, 127))
             # (an element equal to its base has q = 0, or NaN for 0/0 and inf/inf: code 0 already)
             exact = ~ok & (v != b)
             codes.masked_fill_(exact, ESCAPE)
-        if not int(torch.count_nonzero(codes)):  # (a third of the time of any() on int8)
-            return None
+            if not int(torch.count_nonzero(codes)):  # (a third of the time of any() on int8)
+                return None
         self._restore(b, codes, None, out=restored)  # (q is spent: its buffer is free)
         return None, exact
 
@@ -942,10 +1002,16 @@ class _Serializer(ArrayBytesCodec):
 def sparse_encode(chunk: np.ndarray) -> bytes:
     """A mostly-zero chunk as ``[n: u32][n index gaps: u32][n values]``, little-endian."""
     flat = chunk.reshape(-1)
-    idx = np.flatnonzero(flat != 0).astype(np.uint32)  # (of a mask: a fifth of the time on a u32 chunk)
-    gaps = np.diff(idx, prepend=np.uint32(0)).astype("<u4")
-    return b"".join([np.uint32(len(idx)).astype("<u4").tobytes(), gaps.tobytes(),
-                     flat[idx].astype(flat.dtype.newbyteorder("<")).tobytes()])
+    idx = np.flatnonzero(flat != 0)  # (of a mask: a fifth of the time on a u32 chunk)
+    return sparse_pack(idx, flat[idx])
+
+
+def sparse_pack(positions: np.ndarray, values: np.ndarray) -> bytes:
+    """:func:`sparse_encode` of a chunk whose nonzero elements are ``values`` at ``positions``
+    (ascending)."""
+    gaps = np.diff(positions, prepend=0).astype("<u4")
+    return b"".join([np.uint32(len(positions)).astype("<u4").tobytes(), gaps.tobytes(),
+                     values.astype(values.dtype.newbyteorder("<")).tobytes()])
 
 
 def sparse_decode(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -181,6 +181,27 @@ def test_infinities_that_stay_put_are_not_escaped_and_come_back_exact(local_stor
     assert codec.diff(w, to_bits(w).clone(), (64, 64)) is None  # nothing moved: no delta at all
 
 
+@pytest.mark.parametrize("codec, dtype, change", [
+    # a scale rounded down to a subnormal: the peak would code past qmax (10 and 190 ulps of 2^-149)
+    (amber.QuantizedDeltaCodec(bits=4, min_numel=1), torch.float32, 10 * 2.0 ** -149),
+    (amber.QuantizedDeltaCodec(bits=8, min_numel=1), torch.float32, 190 * 2.0 ** -149),
+    # a block step capped at 2^126: float64 changes far beyond it
+    (amber.BlockDeltaCodec(step=0.1, block=64, min_numel=1), torch.float64, 1e300)], ids=["quant4", "quant8", "block"])
+def test_codes_stay_within_their_range_where_a_step_cannot_resolve_the_change(local_store, codec, dtype, change):
+    base = torch.zeros(128, dtype=dtype)
+    value = base.clone()
+    value[:4] = torch.tensor([1.0, -1.0, 0.25, 0.5], dtype=torch.float64).mul(change).to(dtype)
+    assert bool((value[:4] != 0).all())
+    delta = codec.diff(value, to_bits(base).clone(), (128,))
+    qmax = 127 if codec.encoding == "block" else codec.qmax
+    assert int(np.abs(delta.data.astype(np.int64)).max()) == qmax
+    store = local_store(codec=codec)
+    store.save(1, {"w": base})
+    store.save(2, {"w": value})
+    assert store.manifest(2).tensors["w"].encoding == codec.encoding
+    assert_bit_equal(local_store(mode="r").load(2, lazy=False)["w"], delta.recon.view(dtype))
+
+
 def test_ratio_deltas_escape_only_the_values_they_cannot_code_that_moved():
     base = torch.tensor([1.0, 2.0, 0.0, -3.0, float("inf"), 0.0, 4.0, -1.0] * 40)
     value = base.clone()
@@ -257,7 +278,37 @@ def test_a_quantized_or_sparse_delta_built_in_a_recycled_buffer_is_the_same_delt
     recycled = codec.diff(value, base_bits, (24, 64), out=buffer)
     assert recycled.recon.data_ptr() == buffer.data_ptr()
     assert_bit_equal(recycled.recon, fresh.recon)
-    assert np.array_equal(recycled.data, fresh.data) and recycled.params == fresh.params
+    assert recycled.params == fresh.params
+    if fresh.changes is None:
+        assert np.array_equal(recycled.data, fresh.data)
+    else:
+        assert all(map(np.array_equal, recycled.changes, fresh.changes))
+
+
+@pytest.mark.parametrize("piece", [None, 1000])  # the whole tensor at once; pieces, the last one short
+@pytest.mark.parametrize("chunks", [(16, 64), (24, 64)])  # chunks that tile the tensor; a ragged edge chunk
+def test_a_sparse_delta_stores_in_each_chunk_the_nonzero_elements_of_its_xor_delta(monkeypatch, piece, chunks):
+    if piece:
+        monkeypatch.setattr(amber_codecs, "_PIECE", piece)
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(80, 64, generator=g)
+    value = base * (1 + 0.05 * torch.randn(base.shape, generator=g))
+    value[:24] = base[:24]  # chunks without a change: not stored
+    value[70, :3] = torch.tensor([float("nan"), float("inf"), 0.0])  # non-finite, in a later piece
+    base_bits = to_bits(base).clone()
+    codec = amber.SparseDeltaCodec(threshold=0.05)
+    delta = codec.diff(value, base_bits, chunks)
+    assert delta.data is None
+    dense = (to_bits(delta.recon) ^ base_bits).numpy().reshape(-1)
+    assert delta.params == {"kept": int(np.count_nonzero(dense))}
+    assert 0 < delta.params["kept"] < value.numel() // 4
+    assert_bit_equal(delta.recon.view(-1)[70 * 64: 70 * 64 + 3], to_bits(value).view(-1)[70 * 64: 70 * 64 + 3])
+    runs, padded = chunk_runs((80, 64), chunks), math.prod(chunks)
+    recon = delta.recon.numpy().reshape(-1)
+    stored = codec.serialize_run(delta, 0, runs, padded, [recon[a:b] for a, b in runs])
+    expected = [amber_codecs.sparse_encode(np.pad(dense[a:b], (0, padded - (b - a)))) if dense[a:b].any() else None
+                for a, b in runs]
+    assert stored == expected and stored[0] is None and stored[-1] is not None
 
 
 def test_sparse_deltas_keep_non_finite_values_and_values_next_to_them_exact(local_store):
