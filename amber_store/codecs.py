@@ -617,9 +617,10 @@ class QuantizedDeltaCodec(DeltaCodec):
         # Every chunk at once, with the same single IEEE operations as dequantize's per chunk
         # (the scale rounded to the compute dtype, q * scale, then + base), so readers agree.
         scale = torch.tensor(scales, dtype=torch.float64).to(device=v.device, dtype=v.dtype).unsqueeze(-1)
-        if not bool((scale > 0).any()):  # (a chunk's peak change codes to at least qmax / 2)
+        positive = scale > 0
+        if not bool(positive.any()):  # (a chunk's peak change codes to at least qmax / 2)
             return None
-        divisor = torch.where(scale > 0, scale, 1)
+        divisor = torch.where(positive, scale, 1)
         q = rows.div_(divisor).round_()
         # |code| <= qmax but where a scale is subnormal (float32 changes below ~1e-36): decided per chunk,
         # by its peak (division is monotonic), without a full pass
