@@ -685,9 +685,10 @@ class _CodedDelta(DeltaCodec):
 
     A stored chunk is ``[side codes][element codes][escaped elements' raw bits]``: the side block
     (only for codecs with per-block data) in :func:`~amber_store.entropy.ans_encode`'s form, the
-    element codes in :func:`~amber_store.entropy.encode_codes`'s (dense, or the gaps between the
-    nonzero codes and those codes; ``sparse_codes=False``: one dense block with no layout byte, as format 5
-    and 6 wrote), escapes in the order of their ``-128`` codes. Writer and readers
+    element codes in :func:`~amber_store.entropy.encode_codes`'s (dense; or the gaps between the
+    nonzero codes and those codes; or, from format 8, zstd-compressed nibbles; ``sparse_codes=False``:
+    one dense block with no layout byte, as format 5 and 6 wrote), escapes in the order of their
+    ``-128`` codes. Writer and readers
     compute the materialized value with the same single IEEE operations on the codes (a
     multiply and an add, or one multiply), so every device agrees to the bit.
     """
@@ -1080,7 +1081,7 @@ class AnsBytesCodec(ArrayBytesCodec):
     """zarr serializer of the entropy-coded lossy deltas (:class:`BlockDeltaCodec`,
     :class:`RatioDeltaCodec`): decodes a chunk to its int8 codes. ``side``: elements per side
     code (a block's exponent), 0 for none. ``sparse_codes``: the element codes start with a
-    layout byte (format 7; absent from older metadata). Encoding needs the codec's base, so
+    layout byte (format 7, a third layout in 8; absent from older metadata). Encoding needs the codec's base, so
     only amber-store writes these chunks."""
 
     name: ClassVar[str] = "amber.ans"

@@ -1,8 +1,8 @@
 """Writes the small reference store of the on-disk format (docs/FORMAT.md).
 
-``python tests/make_format_fixture.py tests/data/format-v7`` made the newest committed copy
-(``format-v1`` to ``-v6`` were made by the code of their versions, with ``expected(1)`` to
-``expected(6)``); the tests read every
+``python tests/make_format_fixture.py tests/data/format-v8`` made the newest committed copy
+(``format-v1`` to ``-v7`` were made by the code of their versions, with ``expected(1)`` to
+``expected(7)``); the tests read every
 committed copy back with the current code, so a change that breaks old stores fails CI, and
 also read back what this script writes today. Never edit a committed copy by hand; when the
 format version changes, add a new ``format-vN`` directory and keep the old ones.
@@ -22,6 +22,7 @@ import torch
 # restored values are checked against the codec's bound, and against what today's code restores).
 # Version 6 made the integer-difference delta the lossless default; XOR stays for the "xor/" keys.
 # Version 7 stores entropy-coded codes sparse where few are nonzero ("lossy/few").
+# Version 8 stores dense codes of a fine step as nibbles ("lossy/fine", "lossy/odd").
 def lossy_policy() -> list:
     import amber_store as amber
 
@@ -30,10 +31,12 @@ def lossy_policy() -> list:
             ("lossy/p", amber.QuantizedDeltaCodec(bits=8, min_numel=1)),
             ("lossy/blk", amber.BlockDeltaCodec(step=0.2, block=16, min_numel=1)),
             ("lossy/few", amber.BlockDeltaCodec(step=0.2, block=16, min_numel=1)),
-            ("lossy/ratio", amber.RatioDeltaCodec(step=0.05, min_numel=1))]
+            ("lossy/ratio", amber.RatioDeltaCodec(step=0.05, min_numel=1)),
+            ("lossy/fine", amber.BlockDeltaCodec(step=0.01, block=16, min_numel=1)),
+            ("lossy/odd", amber.BlockDeltaCodec(step=0.01, block=13, min_numel=1))]
 
 
-def expected(version: int = 7) -> dict[int, dict]:
+def expected(version: int = 8) -> dict[int, dict]:
     """The state saved at each step: full, xor delta, then same/new/shape-change/removed; from
     version 2 on also a quantized and a sparse tensor; from version 3 on a packed tensor that
     changes every step and a packed quantized one; from version 4 on the newer leaf kinds and
@@ -41,7 +44,9 @@ def expected(version: int = 7) -> dict[int, dict]:
     at step 3) and a packed ratio-coded one (with a zero); from version 6 on (lossless deltas
     are integer differences) a sharded and a packed tensor kept as XOR deltas, and a tensor
     whose elements move both ways across zero and across powers of two; from version 7 on a
-    block-coded tensor of which few elements move (its codes stored sparse)."""
+    block-coded tensor of which few elements move (its codes stored sparse); from version 8 on
+    block-coded tensors whose every element moves by -7 to 7 steps (their codes stored as
+    nibbles, restored exactly), one of them with an odd count of codes and one code beyond."""
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
     model = OrderedDict(w=w, b=torch.linspace(-1, 1, 5).to(torch.bfloat16), mask=torch.tensor([True, False, True]))
     model._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() returns
@@ -97,6 +102,14 @@ def expected(version: int = 7) -> dict[int, dict]:
             # row moved at step 1, restored at 2) are stored sparse, 3 (every other) dense
             few[step, :: 9 - step] += step
             state["lossy"]["few"] = few
+    if version >= 8:
+        # step=0.01 of values near 1.5: a step of 2^-6, so moves of k / 64 code to k exactly
+        k = {step: (torch.arange(64) * 7 + 3 * step) % 15 - 7 for step in states}  # 15 codes, spread
+        for step, state in states.items():
+            moved = sum(k[s] for s in range(1, step + 1)) / 64
+            state["lossy"]["fine"] = 1.5 + moved.reshape(4, 16)
+            state["lossy"]["odd"] = 1.5 + moved[:39]
+            state["lossy"]["odd"][5] += 20 / 64 * (step - 1)  # code k + 20: escaped from the nibbles
     return states
 
 
@@ -108,14 +121,14 @@ def write(path: str) -> None:
     # of several chunks and the rest in the pack. "chain" bases keep step 3 "same" as step 2.
     store = amber.open(path, mode="w", chunk_bytes=64, pack_threshold=160, codec=lossy_policy(),
                        base_policy="chain")
-    # Readers take either layout of codes at any size; writers store a few codes dense (the
+    # Readers take every layout of codes at any size; writers store a few codes dense (the
     # gaps' model costs more than it saves), which would leave this tiny store all dense.
-    floor, entropy._SPARSE_MIN_CODES = entropy._SPARSE_MIN_CODES, 0
+    floor, entropy._LAYOUT_MIN_CODES = entropy._LAYOUT_MIN_CODES, 0
     try:
         for step, state in expected().items():
             store.save(step, state)
     finally:
-        entropy._SPARSE_MIN_CODES = floor
+        entropy._LAYOUT_MIN_CODES = floor
 
 
 if __name__ == "__main__":

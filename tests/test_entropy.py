@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from amber_store.entropy import (DENSE, SPARSE, _gaps_decode, _gaps_encode, ans_decode, ans_encode, decode_codes,
-                                 encode_codes, encode_codes_many, entropy_bits)
+from numcodecs import zstd
+
+from amber_store.entropy import (DENSE, NIBBLES, SPARSE, _gaps_decode, _gaps_encode, ans_decode, ans_encode,
+                                 decode_codes, encode_codes, encode_codes_many, entropy_bits)
 
 
 @pytest.mark.parametrize("codes", [
@@ -38,20 +40,23 @@ def test_a_malformed_block_is_refused_not_misread():
         ans_decode(block, 199)  # the counts say 200 codes
 
 
-def _codes(n: int, nonzero: float, seed: int = 2) -> np.ndarray:
+def _codes(n: int, nonzero: float, seed: int = 2, spread: float = 3) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    codes = np.clip(np.round(rng.standard_normal(n) * 3), -127, 127).astype(np.int8)
+    codes = np.clip(np.round(rng.standard_normal(n) * spread), -127, 127).astype(np.int8)
     codes[codes == 0] = 1
     codes[rng.random(n) >= nonzero] = 0
     return codes
 
 
-@pytest.mark.parametrize("n, nonzero, layout", [
-    (1 << 16, 0.02, SPARSE), (1 << 16, 0.0, SPARSE), (1 << 20 | 5, 0.1, SPARSE),  # long gaps; one nonzero code
-    (1 << 16, 0.6, DENSE), (100, 0.02, DENSE),  # too dense; too few codes for the gaps' model to pay
+@pytest.mark.parametrize("n, nonzero, spread, layout", [
+    (1 << 16, 0.02, 3, SPARSE), (1 << 16, 0.0, 3, SPARSE), (1 << 20 | 5, 0.1, 3, SPARSE),  # long gaps; one nonzero code
+    (1 << 16, 0.6, 3, NIBBLES), (1 << 16 | 1, 1.0, 1.5, NIBBLES),  # dense and spread over +-7 (an odd count)
+    (1 << 16, 0.3, 1, DENSE),  # too dense to be sparse, too few bits of entropy for nibbles
+    (1 << 16, 0.6, 12, DENSE),  # too many codes beyond +-7
+    (100, 0.02, 3, DENSE), (4000, 0.6, 3, DENSE),  # too few codes for another layout's model to pay
 ])
-def test_codes_round_trip_in_the_layout_their_density_calls_for(n, nonzero, layout):
-    codes = _codes(n, nonzero)
+def test_codes_round_trip_in_the_layout_their_density_and_spread_call_for(n, nonzero, spread, layout):
+    codes = _codes(n, nonzero, spread=spread)
     codes[-1] = -128  # the escape code is one of the nonzero ones
     block = encode_codes(codes)
     back, used = decode_codes(np.frombuffer(block + b"tail", np.uint8), n)
@@ -62,12 +67,13 @@ def test_a_run_of_chunks_encodes_each_chunk_as_it_would_alone():
     # rows of every kind side by side: the vectorized pass must restart gaps and extra bits per row
     n = 1 << 16
     rows = np.stack([_codes(n, 0.02, seed=5), np.zeros(n, np.int8), _codes(n, 0.6, seed=6), _codes(n, 0.0005, seed=7),
-                     _codes(n, 0.1, seed=8), _codes(n, 0.2, seed=9)])
+                     _codes(n, 0.1, seed=8), _codes(n, 0.2, seed=9), _codes(n, 0.9, seed=10, spread=2)])
     rows[3, 0], rows[3, -1] = -128, 7  # nonzero first and last codes
     rows[4, : n // 2] = 0  # a long first gap
+    rows[6, 1000:1100] = -128  # escaped nibbles, some of them the escape code
     coded, escapes = encode_codes_many(rows, find=-128)
     assert coded[1] is None  # a chunk of zeros is not stored
-    assert [c[0] for c in coded if c is not None] == [SPARSE, DENSE, SPARSE, SPARSE, DENSE]
+    assert [c[0] for c in coded if c is not None] == [SPARSE, NIBBLES, SPARSE, SPARSE, DENSE, NIBBLES]
     for row, block, escaped in zip(rows, coded, escapes):
         assert np.array_equal(escaped, np.flatnonzero(row == -128))
         if block is not None:
@@ -79,6 +85,13 @@ def test_sparse_codes_cost_within_a_percent_of_dense_ones():
     codes = _codes(1 << 20, 0.03)
     sparse, dense = encode_codes(codes), ans_encode(codes)
     assert sparse[0] == SPARSE and len(sparse) <= 1.01 * len(dense)
+
+
+@pytest.mark.parametrize("spread", [1.5, 2.0, 3.0])
+def test_nibbles_cost_within_four_percent_of_the_entropy_coded_block(spread):
+    codes = _codes(1 << 18, 1.0, spread=spread)
+    nibbles, dense = encode_codes(codes), ans_encode(codes)
+    assert nibbles[0] == NIBBLES and len(nibbles) <= 1.04 * len(dense)
 
 
 def test_gaps_round_trip_up_to_the_largest_a_chunk_can_hold():
@@ -108,3 +121,31 @@ def test_malformed_codes_are_refused_not_misread():
         decode_codes(forged([3, 0], [5, 0]), 8)  # a zero among the nonzero codes
     with pytest.raises(ValueError):
         decode_codes(forged([3, 4], [5, 1]), 8)  # a position past the end
+
+
+def test_malformed_nibbles_are_refused_not_misread():
+    n = 1 << 16
+    codes = _codes(n, 1.0, spread=2)
+    codes[10] = 9
+    block = np.frombuffer(encode_codes(codes), np.uint8)
+    assert block[0] == NIBBLES
+    assert np.array_equal(decode_codes(block, n)[0], codes)
+    for bad in (block[:-5], block[:9]):
+        with pytest.raises(ValueError):
+            decode_codes(bad, n)
+    with pytest.raises(ValueError):
+        decode_codes(block, n - 2)  # the frame holds another count of codes
+
+    def forged(escaped: list[int], packed: list[int]) -> np.ndarray:
+        frame = zstd.compress(np.array(packed, np.uint8), 1)
+        return np.frombuffer(b"".join([bytes([NIBBLES]), np.uint32(len(escaped)).tobytes(),
+                                       np.array(escaped, np.int8).tobytes(), np.uint32(len(frame)).tobytes(), frame]),
+                             np.uint8)
+
+    assert np.array_equal(decode_codes(forged([100], [0x8F, 0x07]), 3)[0], [-1, 100, 7])  # (an odd count: pad 0)
+    for escaped, packed in (([100, 101], [0x8F, 0x07]),  # more escaped codes than marks
+                            ([], [0x8F, 0x07]),  # a mark without its code
+                            ([5], [0x8F, 0x07]),  # an escaped code that fits a nibble
+                            ([100], [0x8F, 0x17])):  # a nonzero pad
+        with pytest.raises(ValueError):
+            decode_codes(forged(escaped, packed), 3)

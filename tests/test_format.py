@@ -13,6 +13,7 @@ import torch
 import zarr
 
 import amber_store as amber
+from amber_store import entropy
 from amber_store import format as fmt
 from conftest import assert_bit_equal, assert_tree_bit_equal
 from make_format_fixture import expected, write
@@ -39,6 +40,9 @@ def check_reference_store(path: Path, version: int) -> None:
                 assert torch.allclose(got["lossy"]["ratio"], lossy["ratio"], rtol=0.026)
             if "few" in lossy:
                 assert torch.allclose(got["lossy"]["few"], lossy["few"], atol=0.2)
+            for exact in ("fine", "odd"):  # whole steps: restored exactly
+                if exact in lossy:
+                    assert_bit_equal(got["lossy"][exact], lossy[exact])
     encodings = {k: e.encoding for k, e in store.manifest(3).tensors.items()}
     assert encodings["model/w"] == "same" and encodings["model/b"] == "full" and encodings["new"] == "full"
     lossless = "xor" if version < 6 else "diff"
@@ -66,13 +70,31 @@ def check_reference_store(path: Path, version: int) -> None:
     if version >= 7:
         entries = store.manifest(2).tensors
         assert entries["lossy/few"].encoding == "block" and entries["lossy/few"].params["sparse_codes"] is True
+    if version >= 8:
+        entries = store.manifest(3).tensors
+        assert entries["lossy/fine"].index is not None and entries["lossy/odd"].pack is not None
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_every_committed_format_version_reads_back_with_the_current_code(tmp_path, version):
     copy = tmp_path / f"v{version}"
     shutil.copytree(DATA / f"format-v{version}", copy)  # reads need no write access; keep the fixture pristine
     check_reference_store(copy, version)
+
+
+def test_the_newest_fixture_holds_codes_stored_as_nibbles(tmp_path, monkeypatch):
+    # version 8's layout must be in the committed store, or no test would freeze how it reads
+    decoded = []
+    real = entropy._nibbles_decode
+
+    def spy(raw, n):
+        decoded.append(n)
+        return real(raw, n)
+
+    monkeypatch.setattr(entropy, "_nibbles_decode", spy)
+    shutil.copytree(DATA / "format-v8", tmp_path / "v8")
+    amber.open(tmp_path / "v8", mode="r").load(2, lazy=False)
+    assert sorted(decoded) == [16, 16, 16, 16, 39]  # lossy/fine's four chunks, lossy/odd (packed)
 
 
 def test_what_the_fixture_script_writes_today_reads_back(tmp_path):

@@ -14,6 +14,7 @@ from zarr.core.sync import sync
 
 import amber_store as amber
 from amber_store import codecs as amber_codecs
+from amber_store import entropy
 from amber_store import pipeline as amber_pipeline
 from amber_store.codecs import ESCAPE, AnsBytesCodec, Pack4BytesCodec, SparseBytesCodec
 from amber_store.format import chunk_runs, to_bits
@@ -264,6 +265,34 @@ def test_quantized_and_sparse_deltas_read_back_as_the_writer_reconstructed_them(
         got = reader.load(step, lazy=False)["w"]
         assert torch.allclose(got.double(), w.double(), rtol=0.1, atol=0.1)
     assert_bit_equal(reader.load(3)["w"][rows - 3: rows + 5], reader.load(3, lazy=False)["w"][rows - 3: rows + 5])
+
+
+@pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.01), amber.RatioDeltaCodec(step=0.01)],
+                         ids=["block", "ratio"])
+def test_fine_steps_store_dense_codes_as_nibbles_that_read_back_as_the_writer_reconstructed_them(
+        local_store, monkeypatch, codec):
+    # Every element moves by a step or two: codes of 2.5-3 bits of entropy, dense, within +-7.
+    # A reader checks each chunk against the crc32c of the writer's reconstruction.
+    layouts = []
+    real = entropy._nibbles
+
+    def spy(row):
+        out = real(row)
+        layouts.append(out is not None)
+        return out
+
+    monkeypatch.setattr(entropy, "_nibbles", spy)
+    store = local_store(codec=codec, full_every=10)
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(512, 256, generator=g).abs() + 0.1]  # (positive, for ratio)
+    for _ in range(2):
+        states.append(states[-1] * (1 + 0.015 * torch.randn(512, 256, generator=g)))
+    for step, w in enumerate(states, 1):
+        store.save(step, {"w": w})
+    assert store.manifest(3).tensors["w"].encoding == codec.encoding and layouts == [True, True]
+    reader = local_store(mode="r")
+    for step, w in enumerate(states, 1):
+        assert torch.allclose(reader.load(step, lazy=False)["w"], w, rtol=0.01, atol=0.01)
 
 
 @pytest.mark.parametrize("codec", [amber.QuantizedDeltaCodec(bits=8), amber.SparseDeltaCodec(threshold=0.05),
