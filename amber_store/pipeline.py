@@ -13,7 +13,9 @@ while the next tensors encode, at most ``max_inflight_bytes`` of them at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import gc
 import itertools
 import threading
 import time
@@ -21,7 +23,7 @@ import weakref
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar, Union
+from typing import Any, Awaitable, Callable, Iterator, TypeVar, Union
 
 import crc32c
 import numpy as np
@@ -670,6 +672,10 @@ class Snapshots:
         layout), and the rest copied then; when most guesses were wrong, these buffers stop
         guessing. Measured for 2,000 tensors of 25 KB: 1.2x the time
         of a bare copy loop, the walk included, instead of 1.55x."""
+        with _gc_paused():
+            return self._take(collect)
+
+    def _take(self, collect: Callable[[], tuple[T, dict[str, torch.Tensor]]]) -> tuple[T, dict[str, torch.Tensor]]:
         with self._lock:
             buffers = self._free.pop() if self._free else None
         ahead = buffers.copy_ahead() if buffers is not None else None
@@ -776,6 +782,22 @@ class _Buffers:
         # out a switch interval (5 ms); the copy itself releases it.
         started.wait()
         return at, guess, copied
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the few ms of a snapshot: its walk and
+    bookkeeping make thousands of small containers, and the collections they trigger traverse
+    every object the training process holds (measured with ~300K tracked objects: 11-25% of
+    the walk). What they leave is collected at the next allocations after it."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 _COPY_GRAIN = 32768  # torch's intra-op grain (elements): smaller copies run on one thread

@@ -149,6 +149,34 @@ def test_a_walk_that_fails_lends_nothing_and_the_next_snapshot_is_exact():
     assert_tree_bit_equal(take(snapshots, live), live)
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_snapshot_walks_with_the_garbage_collector_paused_and_leaves_it_as_it_was(enabled):
+    import gc
+
+    from amber_store.pipeline import Snapshots
+
+    snapshots, seen = Snapshots(), []
+    live = {"t": torch.randn(8)}
+
+    def walk(fail: bool = False):
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("walk failed")
+        return None, live
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        snapshots.give_back(snapshots.take(walk)[1])
+        after_take = gc.isenabled()
+        with pytest.raises(ValueError):
+            snapshots.take(lambda: walk(fail=True))
+        after_failure = gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False, False] and after_take is enabled and after_failure is enabled
+
+
 def test_a_snapshot_keeps_no_tensor_of_the_state_alive():
     import gc
     import weakref
