@@ -37,6 +37,7 @@ FORMAT_NAME = "amber-store"
 # 6: lossless diff encoding (codec amber.diff_delta), the writers' default lossless delta.
 # 7: entropy-coded chunks may store their codes sparse (the gaps between nonzero codes, then those),
 # behind a layout byte; entries say so in params["sparse_codes"], amber.ans in its configuration.
+# 8: a third layout behind that byte: dense codes as zstd-compressed nibbles, the few beyond +-7 escaped.
 FORMAT_VERSION = 8
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
