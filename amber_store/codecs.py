@@ -448,7 +448,9 @@ def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[i
         return None
     for lo, hi in still:
         codes[lo:hi] = 0
-        recon[lo:hi] = base_values[lo:hi]
+    for lo, hi in runs:  # a chunk whose codes are all 0 is not stored: readers take its base bits
+        if not int(torch.count_nonzero(codes[lo:hi])):  # (which -0.0 + 0.0 would not give)
+            recon[lo:hi] = base_values[lo:hi]
     bits = to_bits(recon)
     if escaped:
         at = torch.cat(escaped)
@@ -630,7 +632,7 @@ class QuantizedDeltaCodec(DeltaCodec):
             codes.view_as(q).copy_(q)
         else:
             _unchunk(q.to(torch.int8), runs, codes)
-        moved = q.mul_(scale)
+        moved = q.add_(0.0).mul_(scale)  # (code 0 is +0.0 to readers, not -0.0)
         if not tiled:
             _unchunk(moved, runs, restored)
         restored.add_(b)
@@ -894,7 +896,7 @@ class BlockDeltaCodec(_CodedDelta):
             codes.view_as(q).copy_(q)
         else:
             _unchunk(q.to(torch.int8).view(len(runs), -1), runs, codes)
-        moved = q.mul_(_pow2(e, v.dtype).unsqueeze(-1))
+        moved = q.add_(0.0).mul_(_pow2(e, v.dtype).unsqueeze(-1))  # (code 0 is +0.0 to readers, not -0.0)
         if not whole:
             _unchunk(moved.view(len(runs), -1), runs, restored)
         restored.add_(b)

@@ -267,6 +267,34 @@ def test_quantized_and_sparse_deltas_read_back_as_the_writer_reconstructed_them(
     assert_bit_equal(reader.load(3)["w"][rows - 3: rows + 5], reader.load(3, lazy=False)["w"][rows - 3: rows + 5])
 
 
+@pytest.mark.parametrize("codec", [amber.QuantizedDeltaCodec(bits=8), amber.QuantizedDeltaCodec(bits=4),
+                                   amber.BlockDeltaCodec(step=0.1), amber.RatioDeltaCodec(step=0.05), "lossy"],
+                         ids=["quant8", "quant4", "block", "ratio", "lossy"])
+@pytest.mark.parametrize("pack_threshold", [1024, 1 << 20])  # its own array; packed, diffed in a batch
+def test_negative_zeros_that_barely_move_read_back_as_the_writer_reconstructed_them(local_store, codec,
+                                                                                    pack_threshold):
+    # A reader restores a stored chunk as base + code * scale, which turns a -0.0 base under
+    # code 0 into +0.0, and an unstored chunk (every code 0, or a chunk that did not change)
+    # as its base bits: the writer's reconstruction, whose crc32c every read checks, must
+    # agree in both, or the step would not load. Rows 0-15: a chunk that moves, with -0.0
+    # elements nudged by less than half a step either way; rows 16-31 keep -0.0 and never move.
+    base = torch.randn(32, 128, generator=torch.Generator().manual_seed(1)).abs_().add_(0.5)
+    base[:, :8] = -0.0
+    value = base * 1.5
+    value[:16, :4], value[:16, 4:8] = -1e-30, 1e-30
+    value[16:] = base[16:]
+    store = local_store(codec=codec, chunk_bytes=16 * 128 * 4, pack_threshold=pack_threshold, full_every=10)
+    store.save(1, {"w": base})
+    store.save(2, {"w": value})
+    assert store.manifest(2).tensors["w"].encoding in ("quant", "block", "ratio")  # (not kept lossless)
+    reader = local_store(mode="r")
+    got = reader.load(2, lazy=False)["w"]  # (a chunk that disagrees with its crc32c raises)
+    if pack_threshold == 1024:  # rows 16-31 are a chunk of their own, not stored
+        assert_bit_equal(got[16:], base[16:])
+    assert torch.equal(got[16:], base[16:])  # (packed, one chunk: -0.0 may come back as +0.0)
+    assert (got[:16, :8] - value[:16, :8]).abs().max() <= 1e-30  # (ratio: stored exact; else 0)
+
+
 @pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.01), amber.RatioDeltaCodec(step=0.01)],
                          ids=["block", "ratio"])
 def test_fine_steps_store_dense_codes_as_nibbles_that_read_back_as_the_writer_reconstructed_them(
