@@ -33,7 +33,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Literal, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Literal, Sequence, TypeVar, Union
 
 import crc32c
 import numpy as np
@@ -63,6 +63,8 @@ if TYPE_CHECKING:
     from zarr.core.array_spec import ArraySpec
     from zarr.core.buffer import Buffer, NDBuffer
 
+
+T = TypeVar("T")
 
 # blosc's shuffles (zarr's names): none, bytes of one significance together, bits likewise.
 Shuffle = Literal["noshuffle", "shuffle", "bitshuffle"]
@@ -407,47 +409,52 @@ _Quantizer = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int]], int, t
 
 
 def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...], out: torch.Tensor | None,
-                        quantize: _Quantizer) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Any]]] | None:
+                        quantize: _Quantizer, host: _Quantizer | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Any]]] | None:
     """A lossy delta of ``value`` against ``base`` (its bits), :data:`_PIECE_BYTES` of whole
     chunks at a time: (int8 codes, bits of the reconstruction, in ``out`` when it is on value's
     device, and each piece's chunk count and side data, ``None`` if it has none or its codes
-    are all 0), or ``None`` when every code is 0. Escaped elements keep their exact bits."""
+    are all 0), or ``None`` when every code is 0. Escaped elements keep their exact bits.
+    ``host``: the quantizer of a CPU tensor when :func:`_on_host` (the pieces then run on the
+    codec threads)."""
+    on_host = host is not None and _on_host(value)
+    quantize = host if on_host else quantize
     ct = _compute_dtype(value.dtype)
-    flat = value.reshape(-1)
+    flat = value.detach().reshape(-1)
     base_values = base.to(value.device, non_blocking=True).view(value.dtype).reshape(-1)
     recon = out.view(value.dtype).reshape(-1) if out is not None and out.device == value.device else torch.empty_like(flat)
     codes = torch.empty(flat.shape, dtype=torch.int8, device=flat.device)
     runs, padded = chunk_runs(tuple(value.shape), chunks), math.prod(chunks)
     per = max(1, _PIECE_BYTES // (padded * flat.element_size()))
-    staging = None if ct == value.dtype else torch.empty(min(per * padded, flat.numel()), dtype=ct, device=flat.device)
-    sides: list[tuple[int, Any]] = []
-    escaped: list[torch.Tensor] = []
-    still: list[tuple[int, int]] = []
-    moved = False
-    for k in range(0, len(runs), per):
-        part = runs[k: k + per]
+
+    def piece(part: list[tuple[int, int]]) -> _Quantized | None:
         lo, hi = part[0][0], part[-1][1]
-        restored = recon[lo:hi] if staging is None else staging[: hi - lo]
+        restored = recon[lo:hi] if ct == value.dtype else _staging(hi - lo, ct, flat.device)
         if len(part) == len(runs):  # one piece (most tensors): no slices, whose cost is per call
             quantized = quantize(flat.to(ct), base_values.to(ct), runs, padded, restored, codes)
         else:
             quantized = quantize(flat[lo:hi].to(ct), base_values[lo:hi].to(ct), [(a - lo, z - lo) for a, z in part],
                                  padded, restored, codes[lo:hi])
+        if quantized is not None and ct != value.dtype:
+            recon[lo:hi] = restored
+        return quantized
+
+    parts = [runs[k: k + per] for k in range(0, len(runs), per)]
+    sides: list[tuple[int, Any]] = []
+    escaped: list[torch.Tensor] = []
+    moved = False
+    for part, quantized in zip(parts, _map_pieces(piece, parts) if on_host else map(piece, parts)):
         if quantized is None:  # nothing in these chunks moved past half a step: they keep their base
-            still.append((lo, hi))
+            codes[part[0][0]: part[-1][1]] = 0
             sides.append((len(part), None))
             continue
         side, exact = quantized
         moved = True
-        if staging is not None:
-            recon[lo:hi] = restored
         if exact is not None:
-            escaped.append(exact.nonzero().view(-1) + lo)
+            escaped.append(exact.nonzero().view(-1) + part[0][0])
         sides.append((len(part), side))
     if not moved:
         return None
-    for lo, hi in still:
-        codes[lo:hi] = 0
     for lo, hi in runs:  # a chunk whose codes are all 0 is not stored: readers take its base bits
         if not int(torch.count_nonzero(codes[lo:hi])):  # (which -0.0 + 0.0 would not give)
             recon[lo:hi] = base_values[lo:hi]
@@ -456,6 +463,30 @@ def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[i
         at = torch.cat(escaped)
         bits[at] = to_bits(flat)[at]
     return codes, bits, sides
+
+
+#: Whether lossy diffs of CPU tensors run the fused kernels of :mod:`amber_store.kernels` on
+#: the codec threads (off: the torch code, an accelerator's path, which tests run on the CPU)
+HOST_KERNELS = True
+
+
+def _on_host(value: torch.Tensor) -> bool:
+    return HOST_KERNELS and value.device.type == "cpu"
+
+
+def _map_pieces(fn: Callable[[Any], T], items: list[Any]) -> Iterator[T]:
+    """``fn`` over ``items``, on the codec threads when there are several and the caller is not
+    one of them (it would wait on itself)."""
+    if len(items) < 2 or threading.current_thread().name.startswith(_POOL_NAME):
+        return map(fn, items)
+    return codec_pool().map(fn, items)
+
+
+def _staging(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` elements of scratch on ``device``: the calling thread's reused buffer on the CPU."""
+    if device.type == "cpu":
+        return torch.from_numpy(scratch(n * dtype.itemsize, 3)).view(dtype)
+    return torch.empty(n, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -498,6 +529,19 @@ class SparseDeltaCodec(DeltaCodec):
              out: torch.Tensor | None = None) -> Delta | None:
         bits, base_bits = to_bits(value).reshape(-1), base.to(value.device, non_blocking=True).reshape(-1)
         ct = _compute_dtype(value.dtype)
+        recon = _recon_buffer(out, base)
+        if self.topk is None and _on_host(value):
+            changes = self._changes_on_host(value.detach().reshape(-1), bits, base_bits, ct, recon)
+        else:
+            changes = self._changes(self._keep(value, bits, base_bits, ct, out), bits, base_bits, base.reshape(-1),
+                                    recon)
+        if changes[0].size == 0:
+            return None
+        return Delta(None, recon.view(base.shape), {"kept": int(changes[0].size)}, changes=changes)
+
+    def _keep(self, value: torch.Tensor, bits: torch.Tensor, base_bits: torch.Tensor, ct: torch.dtype,
+              out: torch.Tensor | None) -> Callable[[int, int, torch.Tensor], torch.Tensor]:
+        """The torch test of which elements of ``bits[lo:hi]`` a delta keeps (:meth:`_changes`)."""
         if self.topk is not None:
             v, b = _flat_pair(value, base_bits, ct)
             moved = torch.sub(v, b, out=_scratch(out, value)).abs_()
@@ -521,12 +565,30 @@ class SparseDeltaCodec(DeltaCodec):
                     into |= ~torch.isfinite(vp) | ~torch.isfinite(bp)
                     into &= bits[lo:hi] != base_bits[lo:hi]
                 return into  # (otherwise a kept element moved by more than 0: its bits differ)
+        return keep
 
-        recon = _recon_buffer(out, base)
-        changes = self._changes(keep, bits, base_bits, base.reshape(-1), recon)
-        if changes[0].size == 0:
-            return None
-        return Delta(None, recon.view(base.shape), {"kept": int(changes[0].size)}, changes=changes)
+    def _changes_on_host(self, value: torch.Tensor, bits: torch.Tensor, base_bits: torch.Tensor, ct: torch.dtype,
+                         recon: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_changes` of the threshold test for a CPU tensor: a fused kernel
+        (:mod:`amber_store.kernels`) a piece at a time on the codec threads."""
+        from . import kernels
+
+        threshold = torch.tensor(self.threshold, dtype=ct).numpy()[()]  # (as torch's multiply by it rounds it)
+        bits_np, base_np, recon_np = bits_to_numpy(bits), bits_to_numpy(base_bits), bits_to_numpy(recon)
+        base_values = base_bits.view(value.dtype)
+
+        def piece(lo: int) -> tuple[np.ndarray, np.ndarray]:
+            hi = min(lo + _PIECE, value.numel())
+            at, xor = np.empty(hi - lo, dtype=np.int64), np.empty(hi - lo, dtype=bits_np.dtype)
+            kept = kernels.sparse(value[lo:hi].to(ct).numpy(), base_values[lo:hi].to(ct).numpy(), bits_np[lo:hi],
+                                  base_np[lo:hi], threshold, recon_np[lo:hi], scratch(hi - lo, 3).view(np.bool_), at,
+                                  xor)
+            return at[:kept] + lo, xor[:kept].copy()
+
+        found = list(_map_pieces(piece, list(range(0, value.numel(), _PIECE))))
+        if not found:
+            return np.empty(0, np.int64), base_np[:0].copy()
+        return np.concatenate([at for at, _ in found]), np.concatenate([xor for _, xor in found])
 
     @staticmethod
     def _changes(keep: Callable[[int, int, torch.Tensor], torch.Tensor], bits: torch.Tensor, base_bits: torch.Tensor,
@@ -599,7 +661,7 @@ class QuantizedDeltaCodec(DeltaCodec):
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
              out: torch.Tensor | None = None) -> Delta | None:
         try:
-            delta = _quantize_in_pieces(value, base, chunks, out, self._quantize)
+            delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host)
         except _NonFinite:
             return DiffDeltaCodec().diff(value, base, chunks)  # never quantize NaN/inf
         if delta is None:
@@ -637,6 +699,18 @@ class QuantizedDeltaCodec(DeltaCodec):
             _unchunk(moved, runs, restored)
         restored.add_(b)
         return scales, None
+
+    def _quantize_on_host(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
+                          restored: torch.Tensor, codes: torch.Tensor) -> tuple[list[float], None] | None:
+        from . import kernels
+
+        scales = np.empty(len(runs))
+        starts, ends = np.asarray(runs, dtype=np.int64).T
+        moved = kernels.quantized(v.numpy(), b.numpy(), starts, ends, self.qmax, codes.numpy(), restored.numpy(),
+                                  scales)
+        if moved < 0:
+            raise _NonFinite
+        return (scales.tolist(), None) if moved else None
 
     def apply(self, stored: np.ndarray, base: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> np.ndarray:
         assert entry.params is not None
@@ -764,7 +838,7 @@ class _CodedDelta(DeltaCodec):
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
              out: torch.Tensor | None = None) -> Delta | None:
-        delta = _quantize_in_pieces(value, base, chunks, out, self._quantize)
+        delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host)
         if delta is None:
             return None
         codes, bits, sides = delta
@@ -779,6 +853,11 @@ class _CodedDelta(DeltaCodec):
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
                   restored: torch.Tensor, codes: torch.Tensor) -> _Quantized | None:
         """A :data:`_Quantizer`: the side codes are one row per chunk."""
+        raise NotImplementedError
+
+    def _quantize_on_host(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
+                          restored: torch.Tensor, codes: torch.Tensor) -> _Quantized | None:
+        """:meth:`_quantize` of CPU tensors by a fused kernel (:mod:`amber_store.kernels`)."""
         raise NotImplementedError
 
     def params(self) -> dict[str, Any]:
@@ -905,6 +984,19 @@ class BlockDeltaCodec(_CodedDelta):
             codes.masked_fill_(exact, ESCAPE)
         return e.to(torch.int8), exact
 
+    def _quantize_on_host(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
+                          restored: torch.Tensor, codes: torch.Tensor) -> _Quantized | None:
+        from . import kernels
+
+        width = round_up(padded, self.block)
+        side = np.empty((len(runs), width // self.block), dtype=np.int8)
+        starts, ends = np.asarray(runs, dtype=np.int64).T
+        moved, escapes = kernels.block(v.numpy(), b.numpy(), starts, ends, width, self.block, self.step,
+                                       codes.numpy(), restored.numpy(), side)
+        if not moved:
+            return None
+        return torch.from_numpy(side), (codes == ESCAPE) if escapes else None
+
     def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None) -> torch.Tensor:
         assert side is not None
         scale = _pow2(torch.from_numpy(side), base.dtype).repeat_interleave(self.block)[: base.numel()]
@@ -974,6 +1066,21 @@ class RatioDeltaCodec(_CodedDelta):
                 return None
         self._restore(b, codes, None, out=restored)  # (q is spent: its buffer is free)
         return None, exact
+
+    @functools.cached_property
+    def _bounds(self) -> np.ndarray:
+        """Where the host kernel's codes change: ``(1 + step)^(q + 1/2)`` for q = -128..127."""
+        return np.power(1 + self.step, np.arange(256) - 127.5)
+
+    def _quantize_on_host(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
+                          restored: torch.Tensor, codes: torch.Tensor) -> _Quantized | None:
+        from . import kernels
+
+        nonzero, escapes = kernels.ratio(v.numpy(), b.numpy(), self._factors(v.dtype).numpy(), self._bounds,
+                                         1 / math.log(1 + self.step), codes.numpy(), restored.numpy())
+        if not (nonzero or escapes):
+            return None
+        return None, (codes == ESCAPE) if escapes else None
 
     def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1293,6 +1400,7 @@ def scratch(nbytes: int, slot: int = 0) -> np.ndarray:
 CODEC_THREADS = os.cpu_count() or 2
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+_POOL_NAME = "amber-codec"
 
 
 def codec_pool() -> ThreadPoolExecutor:
@@ -1301,5 +1409,5 @@ def codec_pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=CODEC_THREADS, thread_name_prefix="amber-codec")
+            _POOL = ThreadPoolExecutor(max_workers=CODEC_THREADS, thread_name_prefix=_POOL_NAME)
         return _POOL

@@ -16,6 +16,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
 import amber_store as amber
+from amber_store import codecs as amber_codecs
 from amber_store import format as fmt
 from backends.s3servers import S3Endpoint, SeaweedFS
 
@@ -167,6 +168,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """Raw bits of a tensor, for bit-exact comparison (NaN payloads and -0.0 included)."""
     t = t.detach().cpu().contiguous()
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def diff_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Lossy diffs of CPU tensors by the fused host kernels (:mod:`amber_store.kernels`), or by
+    the torch code that tensors on an accelerator take, run here on the CPU."""
+    monkeypatch.setattr(amber_codecs, "HOST_KERNELS", request.param == "kernels")
+    return request.param
 
 
 def assert_bit_equal(a: torch.Tensor, b: torch.Tensor) -> None:

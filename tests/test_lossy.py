@@ -33,7 +33,7 @@ def drift(steps: int, shape=(96, 64), seed: int = 0):
 
 # The chain tests use one backend: what they check is codec arithmetic, and reading every step of
 # a 50-long chain is quadratic in requests.
-def test_sparse_error_stays_within_one_steps_threshold_over_a_50_step_chain(local_store):
+def test_sparse_error_stays_within_one_steps_threshold_over_a_50_step_chain(local_store, diff_path):
     threshold = 0.02
     store = local_store(codec=amber.SparseDeltaCodec(threshold=threshold), full_every=1000, chunk_bytes=8192,
                         base_policy="chain")
@@ -53,7 +53,7 @@ def test_sparse_error_stays_within_one_steps_threshold_over_a_50_step_chain(loca
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_error_stays_within_half_a_step_scale_over_a_50_step_chain(local_store, bits):
+def test_quantized_error_stays_within_half_a_step_scale_over_a_50_step_chain(local_store, bits, diff_path):
     store = local_store(codec=f"quant{bits}", full_every=1000, chunk_bytes=8192, base_policy="chain")
     reader = local_store(mode="r")
     for step, w in drift(50):
@@ -87,7 +87,7 @@ def per_block(x: torch.Tensor, chunk_rows: int, block: int, reduce) -> torch.Ten
 
 
 @pytest.mark.parametrize("step", [0.01, 0.1, 1.0])
-def test_block_delta_error_stays_within_half_a_block_step_over_a_50_step_chain(local_store, step):
+def test_block_delta_error_stays_within_half_a_block_step_over_a_50_step_chain(local_store, step, diff_path):
     codec = amber.BlockDeltaCodec(step=step, block=64)
     store = local_store(codec=codec, full_every=1000, chunk_bytes=8192, base_policy="chain")
     reader = local_store(mode="r")
@@ -110,7 +110,7 @@ def test_block_delta_error_stays_within_half_a_block_step_over_a_50_step_chain(l
         assert bool((err > 0).any()), n  # lossy: elements moving less than half a step keep their base
 
 
-def test_a_block_whose_values_collapse_takes_the_step_its_largest_change_needs(local_store):
+def test_a_block_whose_values_collapse_takes_the_step_its_largest_change_needs(local_store, diff_path):
     # relative to the (now tiny) new values the step would be ~1e-3 and the codes of a change
     # of 40 would overflow int8: the step is raised to fit them, not the codes clipped
     store = local_store(codec=amber.BlockDeltaCodec(step=1.0))
@@ -122,7 +122,7 @@ def test_a_block_whose_values_collapse_takes_the_step_its_largest_change_needs(l
     assert bool((err <= fit / 2).all())
 
 
-def test_ratio_delta_keeps_relative_error_within_half_a_step_and_exact_zeros(local_store):
+def test_ratio_delta_keeps_relative_error_within_half_a_step_and_exact_zeros(local_store, diff_path):
     codec = amber.RatioDeltaCodec(step=0.1)
     store = local_store(codec=codec, full_every=1000, chunk_bytes=8192, base_policy="chain")
     reader = local_store(mode="r")
@@ -143,7 +143,7 @@ def test_ratio_delta_keeps_relative_error_within_half_a_step_and_exact_zeros(loc
 
 @pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.2), amber.RatioDeltaCodec(step=0.02)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_entropy_coded_deltas_store_non_finite_values_exactly_in_any_float_dtype(local_store, codec, dtype):
+def test_entropy_coded_deltas_store_non_finite_values_exactly_in_any_float_dtype(local_store, codec, dtype, diff_path):
     store = local_store(codec=codec, chunk_bytes=4096)
     w = (torch.rand(40, 50) + 0.5).to(dtype)
     store.save(1, {"w": w})
@@ -158,7 +158,7 @@ def test_entropy_coded_deltas_store_non_finite_values_exactly_in_any_float_dtype
     assert bool((got[finite] != w2[finite]).any())
 
 
-def test_infinities_that_stay_put_are_not_escaped_and_come_back_exact(local_store):
+def test_infinities_that_stay_put_are_not_escaped_and_come_back_exact(local_store, diff_path):
     # a causal attention mask (-inf above the diagonal) in a tensor whose other values move
     g = torch.Generator().manual_seed(6)
     w = torch.randn(64, 64, generator=g).masked_fill_(torch.ones(64, 64, dtype=torch.bool).triu(1), -float("inf"))
@@ -188,7 +188,8 @@ def test_infinities_that_stay_put_are_not_escaped_and_come_back_exact(local_stor
     (amber.QuantizedDeltaCodec(bits=8, min_numel=1), torch.float32, 190 * 2.0 ** -149),
     # a block step capped at 2^126: float64 changes far beyond it
     (amber.BlockDeltaCodec(step=0.1, block=64, min_numel=1), torch.float64, 1e300)], ids=["quant4", "quant8", "block"])
-def test_codes_stay_within_their_range_where_a_step_cannot_resolve_the_change(local_store, codec, dtype, change):
+def test_codes_stay_within_their_range_where_a_step_cannot_resolve_the_change(local_store, codec, dtype, change,
+                                                                              diff_path):
     base = torch.zeros(128, dtype=dtype)
     value = base.clone()
     value[:4] = torch.tensor([1.0, -1.0, 0.25, 0.5], dtype=torch.float64).mul(change).to(dtype)
@@ -203,7 +204,7 @@ def test_codes_stay_within_their_range_where_a_step_cannot_resolve_the_change(lo
     assert_bit_equal(local_store(mode="r").load(2, lazy=False)["w"], delta.recon.view(dtype))
 
 
-def test_ratio_deltas_escape_only_the_values_they_cannot_code_that_moved():
+def test_ratio_deltas_escape_only_the_values_they_cannot_code_that_moved(diff_path):
     base = torch.tensor([1.0, 2.0, 0.0, -3.0, float("inf"), 0.0, 4.0, -1.0] * 40)
     value = base.clone()
     value[0::8] *= 1.5  # coded
@@ -217,7 +218,7 @@ def test_ratio_deltas_escape_only_the_values_they_cannot_code_that_moved():
     assert_bit_equal(recon[:, 1:], value.view(40, 8)[:, 1:])  # uncoded ones stay, escaped ones are exact
 
 
-def test_a_change_of_exactly_half_a_block_step_is_no_delta_and_one_just_over_it_is():
+def test_a_change_of_exactly_half_a_block_step_is_no_delta_and_one_just_over_it_is(diff_path):
     codec = amber.BlockDeltaCodec(step=0.25, block=4)  # values near 1: a step of 2^-2
     base = torch.ones(8)
     half = base.clone()
@@ -232,7 +233,7 @@ def test_a_change_of_exactly_half_a_block_step_is_no_delta_and_one_just_over_it_
 
 @pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.05, block=64), amber.RatioDeltaCodec(step=0.02)])
 @pytest.mark.parametrize("chunks", [(16, 32), (24, 32)])  # chunks that tile the tensor; a ragged edge chunk
-def test_an_entropy_coded_delta_built_in_a_recycled_buffer_is_the_same_delta(codec, chunks):
+def test_an_entropy_coded_delta_built_in_a_recycled_buffer_is_the_same_delta(codec, chunks, diff_path):
     g = torch.Generator().manual_seed(3)
     base = torch.rand(40, 32, generator=g) + 0.5
     base[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])  # escaped elements
@@ -250,7 +251,8 @@ def test_an_entropy_coded_delta_built_in_a_recycled_buffer_is_the_same_delta(cod
                                    amber.SparseDeltaCodec(threshold=0.05)], ids=["quant8", "quant4", "sparse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [16, 24])  # chunks that tile the tensor; a ragged edge chunk
-def test_quantized_and_sparse_deltas_read_back_as_the_writer_reconstructed_them(local_store, codec, dtype, rows):
+def test_quantized_and_sparse_deltas_read_back_as_the_writer_reconstructed_them(local_store, codec, dtype, rows,
+                                                                                diff_path):
     # The writer quantizes every chunk at once; readers dequantize chunk by chunk: a reader
     # checks each chunk against the crc32c of the writer's reconstruction, so any disagreement
     # in a single bit fails the load. Step 3 is a delta against step 2's reconstruction.
@@ -272,7 +274,7 @@ def test_quantized_and_sparse_deltas_read_back_as_the_writer_reconstructed_them(
                          ids=["quant8", "quant4", "block", "ratio", "lossy"])
 @pytest.mark.parametrize("pack_threshold", [1024, 1 << 20])  # its own array; packed, diffed in a batch
 def test_negative_zeros_that_barely_move_read_back_as_the_writer_reconstructed_them(local_store, codec,
-                                                                                    pack_threshold):
+                                                                                    pack_threshold, diff_path):
     # A reader restores a stored chunk as base + code * scale, which turns a -0.0 base under
     # code 0 into +0.0, and an unstored chunk (every code 0, or a chunk that did not change)
     # as its base bits: the writer's reconstruction, whose crc32c every read checks, must
@@ -298,7 +300,7 @@ def test_negative_zeros_that_barely_move_read_back_as_the_writer_reconstructed_t
 @pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.01), amber.RatioDeltaCodec(step=0.01)],
                          ids=["block", "ratio"])
 def test_fine_steps_store_dense_codes_as_nibbles_that_read_back_as_the_writer_reconstructed_them(
-        local_store, monkeypatch, codec):
+        local_store, monkeypatch, codec, diff_path):
     # Every element moves by a step or two: codes of 2.5-3 bits of entropy, dense, within +-7.
     # A reader checks each chunk against the crc32c of the writer's reconstruction.
     layouts = []
@@ -325,7 +327,7 @@ def test_fine_steps_store_dense_codes_as_nibbles_that_read_back_as_the_writer_re
 
 @pytest.mark.parametrize("codec", [amber.QuantizedDeltaCodec(bits=8), amber.SparseDeltaCodec(threshold=0.05),
                                    amber.SparseDeltaCodec(topk=0.1)], ids=["quant8", "sparse", "topk"])
-def test_a_quantized_or_sparse_delta_built_in_a_recycled_buffer_is_the_same_delta(codec):
+def test_a_quantized_or_sparse_delta_built_in_a_recycled_buffer_is_the_same_delta(codec, diff_path):
     g = torch.Generator().manual_seed(3)
     base = torch.randn(80, 64, generator=g)
     value = base * (1 + 0.1 * torch.randn(base.shape, generator=g))
@@ -344,7 +346,8 @@ def test_a_quantized_or_sparse_delta_built_in_a_recycled_buffer_is_the_same_delt
 
 @pytest.mark.parametrize("piece", [None, 1000])  # the whole tensor at once; pieces, the last one short
 @pytest.mark.parametrize("chunks", [(16, 64), (24, 64)])  # chunks that tile the tensor; a ragged edge chunk
-def test_a_sparse_delta_stores_in_each_chunk_the_nonzero_elements_of_its_xor_delta(monkeypatch, piece, chunks):
+def test_a_sparse_delta_stores_in_each_chunk_the_nonzero_elements_of_its_xor_delta(monkeypatch, piece, chunks,
+                                                                                   diff_path):
     if piece:
         monkeypatch.setattr(amber_codecs, "_PIECE", piece)
     g = torch.Generator().manual_seed(4)
@@ -368,7 +371,7 @@ def test_a_sparse_delta_stores_in_each_chunk_the_nonzero_elements_of_its_xor_del
     assert stored == expected and stored[0] is None and stored[-1] is not None
 
 
-def test_sparse_deltas_keep_non_finite_values_and_values_next_to_them_exact(local_store):
+def test_sparse_deltas_keep_non_finite_values_and_values_next_to_them_exact(local_store, diff_path):
     store = local_store(codec=amber.SparseDeltaCodec(threshold=0.05))
     w = torch.randn(80, 64)
     w[0, 0] = float("inf")
@@ -388,7 +391,7 @@ def test_sparse_deltas_keep_non_finite_values_and_values_next_to_them_exact(loca
                                    amber.QuantizedDeltaCodec(bits=8, min_numel=1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunks", [(8, 32), (12, 32)])  # chunks that tile the tensor; a ragged edge chunk
-def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch, codec, dtype, chunks):
+def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch, codec, dtype, chunks, diff_path):
     g = torch.Generator().manual_seed(5)
     base = torch.rand(100, 32, generator=g) + 0.5
     value = base * (1 + 0.1 * torch.randn(base.shape, generator=g))
@@ -411,10 +414,50 @@ def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch
                 assert np.array_equal(pieces.side[k], whole.side[k])
 
 
+@pytest.mark.parametrize("codec", [amber.SparseDeltaCodec(threshold=0.05), amber.QuantizedDeltaCodec(bits=8),
+                                   amber.QuantizedDeltaCodec(bits=4), amber.BlockDeltaCodec(step=0.05, block=64),
+                                   amber.BlockDeltaCodec(step=0.01, block=48), amber.RatioDeltaCodec(step=0.02)],
+                         ids=["sparse", "quant8", "quant4", "block", "block-fine", "ratio"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("chunks", [(8, 32), (12, 32)])  # chunks that tile the tensor; a ragged edge chunk
+def test_the_host_kernels_take_the_delta_the_torch_code_takes(monkeypatch, codec, dtype, chunks):
+    # What tensors on an accelerator get (torch) and what CPU tensors get (the kernels, a piece
+    # per codec thread) must be the same delta: the same codes, side codes, scales, kept
+    # elements and reconstruction, to the bit.
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(100, 32, generator=g).to(torch.float64)
+    value = base * (1 + 0.05 * torch.randn(base.shape, generator=g))
+    value[20:44] = base[20:44]  # chunks that do not move
+    value[50, :6] = base[50, :6] * 40  # far beyond a block's values
+    base[60, :4], value[60, :4] = -0.0, torch.tensor([-1e-30, 1e-30, 0.0, -0.0], dtype=torch.float64)
+    base[61, :3] = torch.tensor([0.0, -2.0, 3.0], dtype=torch.float64)  # (not positive: ratio escapes)
+    if codec.encoding != "quant":  # (which falls back to an exact delta on them)
+        base[90, :3] = torch.tensor([float("inf"), 1.0, float("nan")], dtype=torch.float64)
+        value[90, :4] = torch.tensor([float("inf"), float("nan"), 2.0, -float("inf")], dtype=torch.float64)
+    base, value = base.to(dtype), value.to(dtype)
+    base_bits = to_bits(base).clone()
+    monkeypatch.setattr(amber_codecs, "_PIECE_BYTES", 2 * 8 * 32 * dtype.itemsize)  # pieces on both threads
+    monkeypatch.setattr(amber_codecs, "_PIECE", 1000)
+    host = codec.diff(value, base_bits, chunks)
+    monkeypatch.setattr(amber_codecs, "HOST_KERNELS", False)
+    reference = codec.diff(value, base_bits, chunks)
+    assert_bit_equal(host.recon, reference.recon)
+    assert host.params == reference.params
+    if reference.changes is not None:
+        assert all(map(np.array_equal, host.changes, reference.changes))
+    else:
+        assert np.array_equal(host.data, reference.data) and (host.data != 0).sum() > 100
+    if reference.side is not None:
+        stored = reference.data.reshape(-1)  # side codes matter only for the chunks that are stored
+        for k, (lo, hi) in enumerate(chunk_runs(tuple(base.shape), chunks)):
+            if stored[lo:hi].any():
+                assert np.array_equal(host.side[k], reference.side[k])
+
+
 @pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.05, block=64), amber.RatioDeltaCodec(step=0.02)])
 @pytest.mark.parametrize("batch_bytes", [None, 2048])  # one batch; batches flushed as they fill
 def test_small_tensors_diffed_together_store_what_each_diffed_alone_would(monkeypatch, local_store, codec,
-                                                                          batch_bytes):
+                                                                          batch_bytes, diff_path):
     if batch_bytes:
         monkeypatch.setattr(amber_pipeline, "BATCH_BYTES", batch_bytes)
     g = torch.Generator().manual_seed(8)
@@ -525,7 +568,7 @@ def test_small_tensors_such_as_adam_step_counters_stay_exact_under_a_lossy_polic
     assert_bit_equal(store.load(3)["optim"]["state"][0]["step"].materialize(), opt.state_dict()["state"][0]["step"])
 
 
-def test_topk_sparse_keeps_the_requested_fraction(local_store):
+def test_topk_sparse_keeps_the_requested_fraction(local_store, diff_path):
     store = local_store(codec=amber.SparseDeltaCodec(topk=0.05))
     w = torch.randn(100, 100)
     store.save(1, {"w": w})
@@ -533,7 +576,7 @@ def test_topk_sparse_keeps_the_requested_fraction(local_store):
     assert store.manifest(2).tensors["w"].params == {"kept": 500}
 
 
-def test_lossy_codecs_fall_back_exactly_on_non_finite_values(local_store):
+def test_lossy_codecs_fall_back_exactly_on_non_finite_values(local_store, diff_path):
     store = local_store(codec="quant8")
     w = torch.randn(5000)
     store.save(1, {"w": w})

@@ -1,0 +1,275 @@
+"""Fused host kernels of the lossy codecs' diffs, for tensors in the CPU's memory.
+
+The torch code of :mod:`amber_store.codecs` takes a lossy delta in ~10 passes over each
+piece of a tensor (sub, abs, compare, nonzero, round, gather ...), the right shape for an
+accelerator. On the training host's CPU each pass costs memory bandwidth, and some of torch's
+CPU kernels are slow there (a float compare into a bool mask: 4x numpy's; ``log2``: 1.2 ns an
+element). These kernels (numba, compiled once per dtype and cached on disk) take a piece in
+one or two vectorized passes that stay in the CPU's cache, release the GIL, and run a piece
+per codec thread. They make the torch code's decisions and write the reconstruction readers
+compute, to the bit: the tests check both against the torch code run on the same CPU tensors.
+
+Loops index slices from 0 (``range(x.size)``): a loop from an offset read from an array does
+not vectorize (numba cannot tell the index is never negative), and nor does one that counts
+booleans into an int64 (counts are taken in passes of their own, or in scalar loops).
+Arguments are numpy arrays: ``v`` and ``b`` the values and base in the compute dtype (float32
+or float64), ``vb``/``bb`` their raw bits in the tensor's own dtype, chunks as ``starts`` and
+``ends`` within the piece.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+_OPTIONS = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
+
+
+@njit(**_OPTIONS)
+def _significant(v, b, vb, bb, threshold, recon, mask):  # pragma: no cover (compiled)
+    for i in range(v.size):
+        x, y = v[i], b[i]
+        keep = (abs(x - y) > abs(y) * threshold) | ~(np.isfinite(x) & np.isfinite(y))
+        keep &= vb[i] != bb[i]  # (a non-finite pair stays only if its bits differ)
+        recon[i] = vb[i] if keep else bb[i]
+        mask[i] = keep
+
+
+@njit(**_OPTIONS)
+def _gather(mask, vb, bb, at, xor):  # pragma: no cover (compiled)
+    """The positions of ``mask`` into ``at``, their XOR into ``xor``: eight mask bytes at a time."""
+    k = 0
+    words = mask[: mask.size // 8 * 8].view(np.uint64)
+    for w in range(words.size):
+        if words[w]:
+            for i in range(8 * w, 8 * w + 8):
+                at[k] = i
+                xor[k] = vb[i] ^ bb[i]
+                k += mask[i]
+    for i in range(8 * words.size, mask.size):
+        at[k] = i
+        xor[k] = vb[i] ^ bb[i]
+        k += mask[i]
+    return k
+
+
+@njit(**_OPTIONS)
+def sparse(v, b, vb, bb, threshold, recon, mask, at, xor):  # pragma: no cover (compiled)
+    """Keep an element's new bits where ``|v - b| > |b| * threshold``, or where either is not
+    finite and the bits differ; the rest keep the base. Writes ``recon`` (bits), the kept
+    elements' positions into ``at`` and their XOR against the base into ``xor`` (``mask``:
+    scratch); returns how many were kept."""
+    _significant(v, b, vb, bb, threshold, recon, mask)
+    return _gather(mask, vb, bb, at, xor)
+
+
+@njit(**_OPTIONS)
+def _peak(v, b):  # pragma: no cover (compiled)
+    """(max |v - b|, whether every change is finite)."""
+    peak = v.dtype.type(0)
+    finite = True
+    big = np.finfo(v.dtype).max
+    for i in range(v.size):
+        d = abs(v[i] - b[i])
+        finite &= d <= big
+        peak = max(peak, d)
+    return peak, finite
+
+
+@njit(**_OPTIONS)
+def _divided(v, b, scale, top, codes, recon):  # pragma: no cover (compiled)
+    for i in range(v.size):
+        q = min(max(np.rint((v[i] - b[i]) / scale), -top), top)
+        codes[i] = np.int8(q)
+        recon[i] = b[i] + v.dtype.type(codes[i]) * scale
+
+
+@njit(**_OPTIONS)
+def quantized(v, b, starts, ends, qmax, codes, recon, scales):  # pragma: no cover (compiled)
+    """:class:`~amber_store.codecs.QuantizedDeltaCodec` of each chunk: ``scales[c]`` (float64)
+    is its peak change over ``qmax``, codes ``round(change / scale)`` within ``+-qmax`` and
+    ``recon`` ``b + q * scale`` (a chunk of scale 0 keeps ``b``). Returns -1 if a change is
+    not finite (nothing is then usable), else whether any chunk moved."""
+    moved = False
+    for c in range(starts.size):
+        lo, hi = starts[c], ends[c]
+        peak, finite = _peak(v[lo:hi], b[lo:hi])
+        if not finite:
+            return -1
+        scales[c] = float(peak) / qmax
+        scale = v.dtype.type(scales[c])
+        if scale == 0:
+            codes[lo:hi] = 0
+            recon[lo:hi] = b[lo:hi]
+        else:
+            moved = True
+            _divided(v[lo:hi], b[lo:hi], scale, v.dtype.type(qmax), codes[lo:hi], recon[lo:hi])
+    return 1 if moved else 0
+
+
+@njit(fastmath={"reassoc"}, **_OPTIONS)
+def _squares(v):  # pragma: no cover (compiled)
+    """The sum of squares in float64 (a float32 block's never overflows), in any order."""
+    total = 0.0
+    for i in range(v.size):
+        total += float(v[i]) * float(v[i])
+    return total
+
+
+@njit(**_OPTIONS)
+def _finite_parts(v, b):  # pragma: no cover (compiled)
+    """(max |v - b|, sum of squares of v), each over its finite elements only."""
+    peak = v.dtype.type(0)
+    total = 0.0
+    for i in range(v.size):
+        d = v[i] - b[i]
+        if math.isfinite(d):
+            peak = max(peak, abs(d))
+        if math.isfinite(v[i]):
+            total += float(v[i]) * float(v[i])
+    return peak, total
+
+
+@njit(**_OPTIONS)
+def _exponent(x):  # pragma: no cover (compiled)
+    """``x`` as an int, as ``torch.nan_to_num(x, 0, posinf=126, neginf=-126)`` has it."""
+    if math.isnan(x):
+        return 0
+    return 126 if x == math.inf else -126 if x == -math.inf else int(x)
+
+
+@njit(**_OPTIONS)
+def _scaled(v, b, inverse, scale, codes, recon):  # pragma: no cover (compiled)
+    """Codes of finite changes at one block's step; whether any is nonzero."""
+    top = v.dtype.type(127)
+    nonzero = np.int8(0)
+    for i in range(v.size):
+        code = np.int8(min(max(np.rint((v[i] - b[i]) * inverse), -top), top))
+        codes[i] = code
+        nonzero |= code
+        recon[i] = b[i] + v.dtype.type(code) * scale
+    return nonzero != 0
+
+
+@njit(**_OPTIONS)
+def _scaled_with_escapes(v, b, inverse, scale, codes, recon):  # pragma: no cover (compiled)
+    """:func:`_scaled` of a block with a change that is not finite: escaped (-128, ``recon``
+    ``v``) where the values differ, a change of 0 where they are equal (an infinity that stays
+    put). Returns (whether any code is nonzero, escapes)."""
+    top = v.dtype.type(127)
+    nonzero, escapes = False, 0
+    for i in range(v.size):
+        d = v[i] - b[i]
+        if not math.isfinite(d):
+            if v[i] != b[i]:  # (NaN included)
+                codes[i] = -128
+                recon[i] = v[i]
+                escapes += 1
+                nonzero = True
+                continue
+            d = v.dtype.type(0)
+        code = np.int8(min(max(np.rint(d * inverse), -top), top))
+        codes[i] = code
+        nonzero |= code != 0
+        recon[i] = b[i] + v.dtype.type(code) * scale
+    return nonzero, escapes
+
+
+@njit(**_OPTIONS)
+def block(v, b, starts, ends, width, size, step, codes, recon, side):  # pragma: no cover (compiled)
+    """:class:`~amber_store.codecs.BlockDeltaCodec` of each chunk, blocks of ``size``
+    elements counted from its start (``width``: a chunk's padded length, a multiple of
+    ``size``; blocks past a chunk's end are padding): each block's exponent into ``side``
+    (chunk, block), the codes, and the reconstruction ``b + q * 2^e``. A chunk whose codes
+    are all 0 keeps ``b``. Returns (whether a code is nonzero, escapes)."""
+    root = v.dtype.type(math.sqrt(size))
+    step = v.dtype.type(step)
+    moved, escapes = False, 0
+    for c in range(starts.size):
+        lo, hi = starts[c], ends[c]
+        nonzero = False
+        for j in range(width // size):
+            a = min(lo + j * size, hi)
+            z = min(a + size, hi)
+            vs, bs = v[a:z], b[a:z]
+            peak, finite = _peak(vs, bs)
+            squares = _squares(vs)
+            finite &= math.isfinite(squares)
+            if not finite:
+                peak, squares = _finite_parts(vs, bs)
+            rms = v.dtype.type(math.sqrt(squares)) / root
+            e = max(_exponent(np.rint(np.log2(rms * step))), _exponent(np.ceil(np.log2(peak / v.dtype.type(127)))))
+            e = min(max(e, -126), 126)
+            side[c, j] = e
+            scale, inverse = v.dtype.type(2.0 ** e), v.dtype.type(2.0 ** -e)  # (exact: normal powers of two)
+            if finite:
+                nonzero |= _scaled(vs, bs, inverse, scale, codes[a:z], recon[a:z])
+            else:
+                some, escaped = _scaled_with_escapes(vs, bs, inverse, scale, codes[a:z], recon[a:z])
+                nonzero |= some
+                escapes += escaped
+        if not nonzero:
+            recon[lo:hi] = b[lo:hi]
+        moved |= nonzero
+    return moved, escapes
+
+
+#: Where a ratio's first guess is trusted: within this many codes of half a code the exact
+#: test decides (the guess is off by less than 1e-4 of a code at any step the codec allows)
+_MARGIN = 0.001
+
+
+@njit(**_OPTIONS)
+def _ratio_guess(v, b, low, high, scale, codes):  # pragma: no cover (compiled)
+    """Codes where the ratio's code is certain: ``log(v / b)`` by its series in ``u = v / b -
+    1`` for ``|u| < 1/8``, rounded, unless within :data:`_MARGIN` of half a code; -128 for
+    every other element."""
+    T = v.dtype.type
+    one, near, top, edge = T(1), T(0.125), T(127), T(0.5 - _MARGIN)
+    c2, c3, c4, c5, c6, c7 = T(-1 / 2), T(1 / 3), T(-1 / 4), T(1 / 5), T(-1 / 6), T(1 / 7)
+    scale, low, high = T(scale), T(low), T(high)
+    for i in range(v.size):
+        x = v[i]
+        r = x / b[i]
+        u = r - one
+        sure = (x > 0) & (r >= low) & (r < high) & (abs(u) < near)
+        u = u if sure else T(0)
+        t = u * (one + u * (c2 + u * (c3 + u * (c4 + u * (c5 + u * (c6 + u * c7)))))) * scale
+        q = min(max(np.rint(t), -top), top)
+        sure &= abs(t - q) < edge
+        codes[i] = np.int8(q if sure else T(-128))
+
+
+@njit(**_OPTIONS)
+def ratio(v, b, factors, bounds, scale, codes, recon):  # pragma: no cover (compiled)
+    """:class:`~amber_store.codecs.RatioDeltaCodec`: code ``q`` with ``bounds[q + 127] <=
+    v / b < bounds[q + 128]`` (float64 ``(1 + step)^(q -+ 1/2)``; ``scale``: ``1 / log(1 +
+    step)``), reconstruction ``b * factors[q + 128]``. An element that is not positive, or
+    whose ratio is out of range, is escaped (-128, ``recon`` ``v``) unless it equals its base
+    (code 0). Returns (nonzero codes but escapes, escapes)."""
+    _ratio_guess(v, b, bounds[0], bounds[255], scale, codes)
+    low, high = bounds[0], bounds[255]
+    nonzero, escapes = 0, 0
+    for i in range(v.size):
+        q = np.int64(codes[i])
+        if q == -128:  # (rare: a far or uncertain ratio, or an escape)
+            x, y = v[i], b[i]
+            r = float(x / y)
+            if x > 0 and low <= r < high:
+                q = min(max(int(np.rint(math.log(r) * scale)), -127), 127)
+                while r >= bounds[q + 128]:
+                    q += 1
+                while r < bounds[q + 127]:
+                    q -= 1
+            elif x == y:
+                q = 0
+            else:
+                recon[i] = x
+                escapes += 1
+                continue
+            codes[i] = q
+        recon[i] = b[i] * factors[q + 128]
+        nonzero += q != 0
+    return nonzero, escapes
