@@ -85,6 +85,14 @@ class Delta:
     #: a sparse delta's stored elements instead of a mostly-zero ``data``: their flat positions
     #: (ascending) and values (host)
     changes: tuple[np.ndarray, np.ndarray] | None = None
+    #: what ``diff``'s ``finish`` returned for each piece, in order (``None``: it was not called)
+    encoded: list[Any] | None = None
+
+
+#: Serializes a piece of a delta on the codec thread that took it, while the piece is in the
+#: CPU's cache: given the piece as a :class:`Delta` whose arrays index as the whole tensor's
+#: (but ``side``: the piece's own rows) and the piece's chunk runs. Host diffs only.
+Finish = Callable[[Delta, list[tuple[int, int]]], Any]
 
 
 @dataclass(frozen=True)
@@ -133,11 +141,13 @@ class DeltaCodec(ArrayArrayCodec):
         return {"name": "bytes", "configuration": {"endian": "little"}}
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
-             out: torch.Tensor | None = None) -> Delta | None:
+             out: torch.Tensor | None = None, finish: Finish | None = None) -> Delta | None:
         """Delta of ``value`` (on its device) against host ``base`` bits; ``None`` if a reader
         would materialize exactly ``base`` (the tensor is then stored as ``same``). ``out``: a
         free buffer of ``value``'s raw bits (shape, bits dtype, device) that the codec may
-        build the reconstruction in (a fresh one costs page faults: 64 MB in 20 ms here)."""
+        build the reconstruction in (a fresh one costs page faults: 64 MB in 20 ms here).
+        ``finish``: see :data:`Finish`; a codec that takes the delta on the host in pieces
+        calls it (:attr:`Delta.encoded`), others ignore it."""
         raise NotImplementedError
 
     def apply(self, stored: np.ndarray, base: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> np.ndarray:
@@ -235,7 +245,7 @@ class LosslessDeltaCodec(DeltaCodec):
         raise NotImplementedError
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
-             out: torch.Tensor | None = None) -> Delta | None:
+             out: torch.Tensor | None = None, finish: Finish | None = None) -> Delta | None:
         bits = to_bits(value)
         delta = self._delta(bits, base.to(bits.device, non_blocking=True))
         if not bool(delta.any()):
@@ -409,25 +419,29 @@ _Quantizer = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int]], int, t
 
 
 def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...], out: torch.Tensor | None,
-                        quantize: _Quantizer, host: _Quantizer | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Any]]] | None:
+                        quantize: _Quantizer, host: _Quantizer | None = None,
+                        finish: Callable[[list[tuple[int, int]], Any, torch.Tensor, torch.Tensor], Any] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Any]], list[Any] | None] | None:
     """A lossy delta of ``value`` against ``base`` (its bits), :data:`_PIECE_BYTES` of whole
     chunks at a time: (int8 codes, bits of the reconstruction, in ``out`` when it is on value's
-    device, and each piece's chunk count and side data, ``None`` if it has none or its codes
-    are all 0), or ``None`` when every code is 0. Escaped elements keep their exact bits.
-    ``host``: the quantizer of a CPU tensor when :func:`_on_host` (the pieces then run on the
-    codec threads)."""
+    device, each piece's chunk count and side data, ``None`` if it has none or its codes are
+    all 0, and what ``finish`` returned for each piece), or ``None`` when every code is 0.
+    Escaped elements keep their exact bits. ``host``: the quantizer of a CPU tensor when
+    :func:`_on_host`, whose pieces then run on the codec threads, each then passed (its runs,
+    what the quantizer returned, and the whole codes and bits) to ``finish`` (host only)."""
     on_host = host is not None and _on_host(value)
     quantize = host if on_host else quantize
+    finish = finish if on_host else None
     ct = _compute_dtype(value.dtype)
     flat = value.detach().reshape(-1)
     base_values = base.to(value.device, non_blocking=True).view(value.dtype).reshape(-1)
     recon = out.view(value.dtype).reshape(-1) if out is not None and out.device == value.device else torch.empty_like(flat)
+    bits, value_bits = to_bits(recon), to_bits(flat)
     codes = torch.empty(flat.shape, dtype=torch.int8, device=flat.device)
     runs, padded = chunk_runs(tuple(value.shape), chunks), math.prod(chunks)
     per = max(1, _PIECE_BYTES // (padded * flat.element_size()))
 
-    def piece(part: list[tuple[int, int]]) -> _Quantized | None:
+    def piece(part: list[tuple[int, int]]) -> tuple[_Quantized | None, Any]:
         lo, hi = part[0][0], part[-1][1]
         restored = recon[lo:hi] if ct == value.dtype else _staging(hi - lo, ct, flat.device)
         if len(part) == len(runs):  # one piece (most tensors): no slices, whose cost is per call
@@ -435,34 +449,26 @@ def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[i
         else:
             quantized = quantize(flat[lo:hi].to(ct), base_values[lo:hi].to(ct), [(a - lo, z - lo) for a, z in part],
                                  padded, restored, codes[lo:hi])
-        if quantized is not None and ct != value.dtype:
-            recon[lo:hi] = restored
-        return quantized
+        if quantized is None:  # nothing in these chunks moved past half a step: they keep their base
+            codes[lo:hi] = 0
+            recon[lo:hi] = base_values[lo:hi]
+        else:
+            if ct != value.dtype:
+                recon[lo:hi] = restored
+            for a, z in part:  # a chunk whose codes are all 0 is not stored: readers take its base bits
+                if not int(torch.count_nonzero(codes[a:z])):  # (which -0.0 + 0.0 would not give)
+                    recon[a:z] = base_values[a:z]
+            if quantized[1] is not None:
+                at = quantized[1].nonzero().view(-1) + lo
+                bits[at] = value_bits[at]
+        return quantized, None if finish is None else finish(part, quantized, codes, bits)
 
     parts = [runs[k: k + per] for k in range(0, len(runs), per)]
-    sides: list[tuple[int, Any]] = []
-    escaped: list[torch.Tensor] = []
-    moved = False
-    for part, quantized in zip(parts, _map_pieces(piece, parts) if on_host else map(piece, parts)):
-        if quantized is None:  # nothing in these chunks moved past half a step: they keep their base
-            codes[part[0][0]: part[-1][1]] = 0
-            sides.append((len(part), None))
-            continue
-        side, exact = quantized
-        moved = True
-        if exact is not None:
-            escaped.append(exact.nonzero().view(-1) + part[0][0])
-        sides.append((len(part), side))
-    if not moved:
+    done = list(_map_pieces(piece, parts) if on_host else map(piece, parts))
+    if all(quantized is None for quantized, _ in done):
         return None
-    for lo, hi in runs:  # a chunk whose codes are all 0 is not stored: readers take its base bits
-        if not int(torch.count_nonzero(codes[lo:hi])):  # (which -0.0 + 0.0 would not give)
-            recon[lo:hi] = base_values[lo:hi]
-    bits = to_bits(recon)
-    if escaped:
-        at = torch.cat(escaped)
-        bits[at] = to_bits(flat)[at]
-    return codes, bits, sides
+    sides = [(len(part), None if quantized is None else quantized[0]) for part, (quantized, _) in zip(parts, done)]
+    return codes, bits, sides, None if finish is None else [encoded for _, encoded in done]
 
 
 #: Whether lossy diffs of CPU tensors run the fused kernels of :mod:`amber_store.kernels` on
@@ -526,18 +532,20 @@ class SparseDeltaCodec(DeltaCodec):
         return [sparse_pack(at[i:j] - lo, values[i:j]) if j > i else None for (lo, _), (i, j) in zip(runs, cuts)]
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
-             out: torch.Tensor | None = None) -> Delta | None:
+             out: torch.Tensor | None = None, finish: Finish | None = None) -> Delta | None:
         bits, base_bits = to_bits(value).reshape(-1), base.to(value.device, non_blocking=True).reshape(-1)
         ct = _compute_dtype(value.dtype)
         recon = _recon_buffer(out, base)
+        encoded = None
         if self.topk is None and _on_host(value):
-            changes = self._changes_on_host(value.detach().reshape(-1), bits, base_bits, ct, recon)
+            changes, encoded = self._changes_on_host(value.detach().reshape(-1), bits, base_bits, ct, recon,
+                                                     chunk_runs(tuple(value.shape), chunks), finish)
         else:
             changes = self._changes(self._keep(value, bits, base_bits, ct, out), bits, base_bits, base.reshape(-1),
                                     recon)
         if changes[0].size == 0:
             return None
-        return Delta(None, recon.view(base.shape), {"kept": int(changes[0].size)}, changes=changes)
+        return Delta(None, recon.view(base.shape), {"kept": int(changes[0].size)}, changes=changes, encoded=encoded)
 
     def _keep(self, value: torch.Tensor, bits: torch.Tensor, base_bits: torch.Tensor, ct: torch.dtype,
               out: torch.Tensor | None) -> Callable[[int, int, torch.Tensor], torch.Tensor]:
@@ -568,27 +576,30 @@ class SparseDeltaCodec(DeltaCodec):
         return keep
 
     def _changes_on_host(self, value: torch.Tensor, bits: torch.Tensor, base_bits: torch.Tensor, ct: torch.dtype,
-                         recon: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_changes` of the threshold test for a CPU tensor: a fused kernel
-        (:mod:`amber_store.kernels`) a piece at a time on the codec threads."""
+                         recon: torch.Tensor, runs: list[tuple[int, int]], finish: Finish | None
+                         ) -> tuple[tuple[np.ndarray, np.ndarray], list[Any] | None]:
+        """:meth:`_changes` of the threshold test for a CPU tensor, and what ``finish`` returned
+        for each piece: a fused kernel (:mod:`amber_store.kernels`) over whole chunks of about
+        :data:`_PIECE` elements at a time, on the codec threads."""
         from . import kernels
 
         threshold = torch.tensor(self.threshold, dtype=ct).numpy()[()]  # (as torch's multiply by it rounds it)
         bits_np, base_np, recon_np = bits_to_numpy(bits), bits_to_numpy(base_bits), bits_to_numpy(recon)
         base_values = base_bits.view(value.dtype)
+        per = max(1, _PIECE // max(1, runs[0][1] - runs[0][0]))
 
-        def piece(lo: int) -> tuple[np.ndarray, np.ndarray]:
-            hi = min(lo + _PIECE, value.numel())
+        def piece(part: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, Any]:
+            lo, hi = part[0][0], part[-1][1]
             at, xor = np.empty(hi - lo, dtype=np.int64), np.empty(hi - lo, dtype=bits_np.dtype)
             kept = kernels.sparse(value[lo:hi].to(ct).numpy(), base_values[lo:hi].to(ct).numpy(), bits_np[lo:hi],
                                   base_np[lo:hi], threshold, recon_np[lo:hi], scratch(hi - lo, 3).view(np.bool_), at,
                                   xor)
-            return at[:kept] + lo, xor[:kept].copy()
+            changes = (at[:kept] + lo, xor[:kept].copy())
+            return (*changes, None if finish is None else finish(Delta(None, recon, changes=changes), part))
 
-        found = list(_map_pieces(piece, list(range(0, value.numel(), _PIECE))))
-        if not found:
-            return np.empty(0, np.int64), base_np[:0].copy()
-        return np.concatenate([at for at, _ in found]), np.concatenate([xor for _, xor in found])
+        done = list(_map_pieces(piece, [runs[k: k + per] for k in range(0, len(runs), per)]))
+        changes = (np.concatenate([at for at, _, _ in done]), np.concatenate([xor for _, xor, _ in done]))
+        return changes, None if finish is None else [encoded for _, _, encoded in done]
 
     @staticmethod
     def _changes(keep: Callable[[int, int, torch.Tensor], torch.Tensor], bits: torch.Tensor, base_bits: torch.Tensor,
@@ -659,17 +670,22 @@ class QuantizedDeltaCodec(DeltaCodec):
         return pack4_decode(raw, shape) if self.bits == 4 else super().deserialize(raw, shape, dtype)
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
-             out: torch.Tensor | None = None) -> Delta | None:
+             out: torch.Tensor | None = None, finish: Finish | None = None) -> Delta | None:
+        def finish_piece(part: list[tuple[int, int]], quantized: Any, codes: torch.Tensor, bits: torch.Tensor) -> Any:
+            assert finish is not None
+            return finish(Delta(codes.numpy(), bits), part)
+
         try:
-            delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host)
+            delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host,
+                                        None if finish is None else finish_piece)
         except _NonFinite:
             return DiffDeltaCodec().diff(value, base, chunks)  # never quantize NaN/inf
         if delta is None:
             return None
-        codes, bits, sides = delta
+        codes, bits, sides, encoded = delta
         scales = [scale for n, piece in sides for scale in (piece if piece is not None else [0.0] * n)]
         return Delta(codes.to("cpu").numpy().reshape(tuple(value.shape)), bits.to("cpu").reshape(base.shape),
-                     {"scales": [s.hex() for s in scales], "bits": self.bits})
+                     {"scales": [s.hex() for s in scales], "bits": self.bits}, encoded=encoded)
 
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
                   restored: torch.Tensor, codes: torch.Tensor) -> tuple[list[float], None] | None:
@@ -837,18 +853,24 @@ class _CodedDelta(DeltaCodec):
         raise NotImplementedError
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
-             out: torch.Tensor | None = None) -> Delta | None:
-        delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host)
+             out: torch.Tensor | None = None, finish: Finish | None = None) -> Delta | None:
+        def finish_piece(part: list[tuple[int, int]], quantized: Any, codes: torch.Tensor, bits: torch.Tensor) -> Any:
+            assert finish is not None
+            side = None if quantized is None or quantized[0] is None else quantized[0].numpy()
+            return finish(Delta(codes.numpy(), bits, side=side), part)
+
+        delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host,
+                                    None if finish is None else finish_piece)
         if delta is None:
             return None
-        codes, bits, sides = delta
+        codes, bits, sides, encoded = delta
         side_codes = None
         present = [side for _, side in sides if side is not None]
         if present:  # (a piece that did not move has no side codes: its chunks are not stored)
             rows = [side if side is not None else present[0].new_zeros(n, present[0].shape[1]) for n, side in sides]
             side_codes = (rows[0] if len(rows) == 1 else torch.cat(rows)).to("cpu").numpy()
         return Delta(codes.to("cpu").numpy().reshape(tuple(value.shape)), bits.to("cpu").reshape(base.shape),
-                     self.params(), side_codes)
+                     self.params(), side_codes, encoded=encoded)
 
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
                   restored: torch.Tensor, codes: torch.Tensor) -> _Quantized | None:

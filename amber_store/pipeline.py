@@ -17,6 +17,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import math
 import threading
 import time
 import weakref
@@ -121,19 +122,35 @@ def _delta_chunks(codec: DeltaCodec, delta: Delta, first: int, recon: np.ndarray
             for p, r in zip(payloads, recons)]
 
 
+def piece_chunks(codec: DeltaCodec, padded: int, compression: Compression, typesize: int, delta: Delta,
+                 runs: list[tuple[int, int]]) -> list[_Chunk]:
+    """:func:`_delta_chunks` of a piece of a delta, as a :data:`~amber_store.codecs.Finish`
+    (bound to its first four arguments): a host diff serializes each piece on the thread
+    that took it, while it is in the CPU's cache, and both cores share the entropy coders
+    that hold the GIL with the diff's kernels that do not."""
+    return _delta_chunks(codec, delta, 0, bits_to_numpy(delta.recon).reshape(-1), runs, padded, compression, typesize)
+
+
+def _resolved(value: T) -> Future[T]:
+    done: Future[T] = Future()
+    done.set_result(value)
+    return done
+
+
 def submit_delta(pool: ThreadPoolExecutor, codec: DeltaCodec, delta: Delta, recon: np.ndarray,
                  runs: list[tuple[int, int]], padded: int, compression: Compression,
                  typesize: int) -> list[Future[list[_Chunk]]]:
-    """:func:`_delta_chunks` of a tensor's chunks (``runs``) on ``pool``: a job per run of
+    """:func:`_delta_chunks` of a tensor's chunks (``runs``) on ``pool``, unless the diff did it
+    (:attr:`~amber_store.codecs.Delta.encoded`, by :func:`piece_chunks`): a job per run of
     chunks, two runs per thread (serializing, the entropy coding, is mostly per-call overhead
     under the GIL, which a run of chunks shares). An entropy-coded delta of fewer chunks is
     serialized here: its coder holds the GIL, so on a codec thread it would only stall the
     caller's next diff, whose every torch call waits for the GIL (measured on a 3.2M-parameter
     GPT's lossy delta step, one chunk a tensor: 0.94-0.96x the time serialized here)."""
+    if delta.encoded is not None:
+        return [_resolved(chunks) for chunks in delta.encoded]
     if codec.entropy_coded and len(runs) < 2 * CODEC_THREADS:
-        done: Future[list[_Chunk]] = Future()
-        done.set_result(_delta_chunks(codec, delta, 0, recon, runs, padded, compression, typesize))
-        return [done]
+        return [_resolved(_delta_chunks(codec, delta, 0, recon, runs, padded, compression, typesize))]
     size = -(-len(runs) // (2 * CODEC_THREADS))
     return [pool.submit(_delta_chunks, codec, delta, k, recon, runs[k: k + size], padded, compression, typesize)
             for k in range(0, len(runs), size)]
@@ -372,7 +389,9 @@ class StepWriter:
         delta = None
         if base is not None and (tensor.device.type != "cpu" or not isinstance(codec, LosslessDeltaCodec)):
             out = self._recycle(key, to_bits(tensor)) if keep and tensor.device.type == "cpu" else None
-            delta = codec.diff(tensor, base.bits, chunks, out=out)
+            finish = None if packed else functools.partial(piece_chunks, codec, math.prod(chunks), self._compression,
+                                                           tensor.element_size())
+            delta = codec.diff(tensor, base.bits, chunks, out=out, finish=finish)
             if delta is None:
                 self._same(key, name, shape, chunks, base, nbytes)
                 return

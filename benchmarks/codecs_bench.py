@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import io
 import json
 import math
@@ -39,7 +40,7 @@ from amber_store.codecs import Compression, LosslessDeltaCodec, codec_pool  # no
 from amber_store.demo import GPTConfig, Trainer  # noqa: E402
 from amber_store.export import flat_tensors  # noqa: E402
 from amber_store.format import bits_to_numpy, choose_chunks, chunk_runs, to_bits  # noqa: E402
-from amber_store.pipeline import _lossless_chunk, submit_delta  # noqa: E402
+from amber_store.pipeline import _lossless_chunk, piece_chunks, submit_delta  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
 
 
@@ -73,7 +74,8 @@ def main() -> None:
         """diff on the tensor's device (a lossy one into the spent base's buffer, which a save
         recycles for CPU tensors), then every chunk serialized, compressed and checksummed on the codec threads, as a save
         does; returns the stored bytes."""
-        delta = codec.diff(value, base_bits, chunks, out=None if isinstance(codec, LosslessDeltaCodec) else recycled)
+        delta = codec.diff(value, base_bits, chunks, out=None if isinstance(codec, LosslessDeltaCodec) else recycled,
+                           finish=functools.partial(piece_chunks, codec, padded, compression, 4))
         if delta is None:  # nothing moved past the codec's precision: nothing to write
             return 0
         jobs = submit_delta(codec_pool(), codec, delta, bits_to_numpy(delta.recon).reshape(-1), runs, padded,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -452,6 +453,31 @@ def test_the_host_kernels_take_the_delta_the_torch_code_takes(monkeypatch, codec
         for k, (lo, hi) in enumerate(chunk_runs(tuple(base.shape), chunks)):
             if stored[lo:hi].any():
                 assert np.array_equal(host.side[k], reference.side[k])
+
+
+@pytest.mark.parametrize("codec", [amber.SparseDeltaCodec(threshold=0.05), amber.QuantizedDeltaCodec(bits=8),
+                                   amber.QuantizedDeltaCodec(bits=4), amber.BlockDeltaCodec(step=0.01, block=64),
+                                   amber.RatioDeltaCodec(step=0.02)],
+                         ids=["sparse", "quant8", "quant4", "block", "ratio"])
+@pytest.mark.parametrize("chunks", [(8, 32), (12, 32)])  # chunks that tile the tensor; a ragged edge chunk
+def test_chunks_serialized_as_the_diff_takes_each_piece_are_those_serialized_after_it(monkeypatch, codec, chunks):
+    g = torch.Generator().manual_seed(7)
+    base = torch.rand(100, 32, generator=g) + 0.5
+    value = base * (1 + 0.05 * torch.randn(base.shape, generator=g))
+    value[20:44] = base[20:44]  # chunks that do not move
+    base_bits = to_bits(base).clone()
+    monkeypatch.setattr(amber_codecs, "_PIECE_BYTES", 2 * 8 * 32 * 4)  # pieces on both threads
+    monkeypatch.setattr(amber_codecs, "_PIECE", 2 * 8 * 32)
+    runs, padded = chunk_runs((100, 32), chunks), math.prod(chunks)
+    compression = amber_codecs.Compression()
+    fused = codec.diff(value, base_bits, chunks, finish=functools.partial(amber_pipeline.piece_chunks, codec, padded,
+                                                                           compression, 4))
+    assert fused.encoded is not None and len(fused.encoded) > 1
+    after = codec.diff(value, base_bits, chunks)
+    assert after.encoded is None
+    jobs = amber_pipeline.submit_delta(amber_codecs.codec_pool(), codec, after, after.recon.numpy().reshape(-1), runs,
+                                       padded, compression, 4)
+    assert [c for piece in fused.encoded for c in piece] == [c for job in jobs for c in job.result()]
 
 
 @pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.05, block=64), amber.RatioDeltaCodec(step=0.02)])
