@@ -2,7 +2,8 @@
 
 A delta codec has two faces. On the writer's side, :meth:`DeltaCodec.diff` turns a tensor and
 the *reconstructed* value of its base into the stored delta with torch ops on the tensor's
-device, and returns the new reconstruction (what a reader will materialize), which becomes the
+device (a lossy delta of a CPU tensor: fused kernels, :mod:`amber_store.kernels`, with the same
+result), and returns the new reconstruction (what a reader will materialize), which becomes the
 next base: lossy error therefore never accumulates along a chain. On the reader's side,
 :meth:`DeltaCodec.apply` combines a stored region with the base region.
 
