@@ -22,9 +22,36 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
 
 _OPTIONS = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
+_INTS = {types.float32: types.int32, types.float64: types.int64}
+
+
+@intrinsic
+def _bits(typingctx, x):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+    """A float's raw bits as a signed int of its width (numba has no scalar ``view``)."""
+    if x not in _INTS:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], context.get_value_type(_INTS[x]))
+
+    return _INTS[x](x), codegen
+
+
+@intrinsic
+def _float_of(typingctx, bits, like):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+    """The float of ``like``'s type whose raw bits are ``bits``."""
+    if like not in _INTS:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        value = context.cast(builder, args[0], bits, _INTS[like])
+        return builder.bitcast(value, context.get_value_type(like))
+
+    return like(bits, like), codegen
 
 
 @njit(**_OPTIONS)
@@ -67,23 +94,24 @@ def sparse(v, b, vb, bb, threshold, recon, mask, at, xor):  # pragma: no cover (
 
 @njit(**_OPTIONS)
 def _peak(v, b):  # pragma: no cover (compiled)
-    """(max |v - b|, whether every change is finite)."""
-    peak = v.dtype.type(0)
-    finite = True
-    big = np.finfo(v.dtype).max
+    """(max |v - b|, whether every change is finite): the largest of the changes' raw bits
+    with the sign cleared, an integer reduction that vectorizes (a float one does not), and
+    which orders non-negative floats as their values, infinity and NaN above all."""
+    infinity = _bits(v.dtype.type(np.inf))
+    magnitude = infinity | (infinity - 1)  # every bit but the sign
+    top = infinity - infinity
     for i in range(v.size):
-        d = abs(v[i] - b[i])
-        finite &= d <= big
-        peak = max(peak, d)
-    return peak, finite
+        top = max(top, _bits(v[i] - b[i]) & magnitude)
+    return _float_of(top, v.dtype.type(0)), top < infinity
 
 
 @njit(**_OPTIONS)
 def _divided(v, b, scale, top, codes, recon):  # pragma: no cover (compiled)
+    zero = v.dtype.type(0)
     for i in range(v.size):
-        q = min(max(np.rint((v[i] - b[i]) / scale), -top), top)
+        q = min(max(np.rint((v[i] - b[i]) / scale), -top), top) + zero  # (+ 0: code 0 is +0.0 to readers)
         codes[i] = np.int8(q)
-        recon[i] = b[i] + v.dtype.type(codes[i]) * scale
+        recon[i] = b[i] + q * scale
 
 
 @njit(**_OPTIONS)
@@ -133,24 +161,33 @@ def _finite_parts(v, b):  # pragma: no cover (compiled)
 
 
 @njit(**_OPTIONS)
-def _exponent(x):  # pragma: no cover (compiled)
-    """``x`` as an int, as ``torch.nan_to_num(x, 0, posinf=126, neginf=-126)`` has it."""
-    if math.isnan(x):
-        return 0
-    return 126 if x == math.inf else -126 if x == -math.inf else int(x)
+def _round_log2(x):  # pragma: no cover (compiled)
+    """``round(log2(x))`` of a float ``x >= 0``, exactly (from its exponent and mantissa:
+    ``x = m 2^e``, ``m`` in [1/2, 1), rounds down where ``m < 2^-1/2``), 0 giving -126 and
+    infinity 126, as ``torch.nan_to_num`` of ``log2`` would."""
+    if x == 0 or not math.isfinite(x):
+        return -126 if x == 0 else 126
+    m, e = math.frexp(float(x))
+    return e - 1 if m < 0.7071067811865476 else e
+
+
+@njit(**_OPTIONS)
+def _ceil_log2(x):  # pragma: no cover (compiled)
+    """``ceil(log2(x))`` of a float ``x >= 0``, exactly, 0 giving -126 and infinity 126."""
+    if x == 0 or not math.isfinite(x):
+        return -126 if x == 0 else 126
+    m, e = math.frexp(float(x))
+    return e - 1 if m == 0.5 else e
 
 
 @njit(**_OPTIONS)
 def _scaled(v, b, inverse, scale, codes, recon):  # pragma: no cover (compiled)
-    """Codes of finite changes at one block's step; whether any is nonzero."""
-    top = v.dtype.type(127)
-    nonzero = np.int8(0)
+    """Codes of finite changes at one block's step."""
+    top, zero = v.dtype.type(127), v.dtype.type(0)
     for i in range(v.size):
-        code = np.int8(min(max(np.rint((v[i] - b[i]) * inverse), -top), top))
-        codes[i] = code
-        nonzero |= code
-        recon[i] = b[i] + v.dtype.type(code) * scale
-    return nonzero != 0
+        q = min(max(np.rint((v[i] - b[i]) * inverse), -top), top) + zero  # (+ 0: code 0 is +0.0 to readers)
+        codes[i] = np.int8(q)
+        recon[i] = b[i] + q * scale
 
 
 @njit(**_OPTIONS)
@@ -200,12 +237,12 @@ def block(v, b, starts, ends, width, size, step, codes, recon, side):  # pragma:
             if not finite:
                 peak, squares = _finite_parts(vs, bs)
             rms = v.dtype.type(math.sqrt(squares)) / root
-            e = max(_exponent(np.rint(np.log2(rms * step))), _exponent(np.ceil(np.log2(peak / v.dtype.type(127)))))
-            e = min(max(e, -126), 126)
+            e = min(max(_round_log2(rms * step), _ceil_log2(peak / v.dtype.type(127)), -126), 126)
             side[c, j] = e
             scale, inverse = v.dtype.type(2.0 ** e), v.dtype.type(2.0 ** -e)  # (exact: normal powers of two)
             if finite:
-                nonzero |= _scaled(vs, bs, inverse, scale, codes[a:z], recon[a:z])
+                _scaled(vs, bs, inverse, scale, codes[a:z], recon[a:z])
+                nonzero |= peak * inverse > 0.5  # (its largest change codes to 0 or not, and so do all)
             else:
                 some, escaped = _scaled_with_escapes(vs, bs, inverse, scale, codes[a:z], recon[a:z])
                 nonzero |= some
@@ -217,18 +254,21 @@ def block(v, b, starts, ends, width, size, step, codes, recon, side):  # pragma:
 
 
 #: Where a ratio's first guess is trusted: within this many codes of half a code the exact
-#: test decides (the guess is off by less than 1e-4 of a code at any step the codec allows)
+#: test decides (:func:`_ratio_guess` is off by at most a quarter of it)
 _MARGIN = 0.001
 
 
 @njit(**_OPTIONS)
 def _ratio_guess(v, b, low, high, scale, codes):  # pragma: no cover (compiled)
     """Codes where the ratio's code is certain: ``log(v / b)`` by its series in ``u = v / b -
-    1`` for ``|u| < 1/8``, rounded, unless within :data:`_MARGIN` of half a code; -128 for
+    1`` to ``u^4``, for ``|u|`` small enough that the series is off by at most ``_MARGIN / 4``
+    of a code (at most 1/8), rounded, unless within :data:`_MARGIN` of half a code; -128 for
     every other element."""
     T = v.dtype.type
-    one, near, top, edge = T(1), T(0.125), T(127), T(0.5 - _MARGIN)
-    c2, c3, c4, c5, c6, c7 = T(-1 / 2), T(1 / 3), T(-1 / 4), T(1 / 5), T(-1 / 6), T(1 / 7)
+    # the terms left out add up to at most |u|^5 / (5 (1 - |u|)) <= near^5 * 8 / 35
+    near = T(min(0.125, (_MARGIN * 35 / 32 / scale) ** 0.2))
+    one, top, edge = T(1), T(127), T(0.5 - _MARGIN)
+    c2, c3, c4 = T(-1 / 2), T(1 / 3), T(-1 / 4)
     scale, low, high = T(scale), T(low), T(high)
     for i in range(v.size):
         x = v[i]
@@ -236,10 +276,38 @@ def _ratio_guess(v, b, low, high, scale, codes):  # pragma: no cover (compiled)
         u = r - one
         sure = (x > 0) & (r >= low) & (r < high) & (abs(u) < near)
         u = u if sure else T(0)
-        t = u * (one + u * (c2 + u * (c3 + u * (c4 + u * (c5 + u * (c6 + u * c7)))))) * scale
+        t = u * (one + u * (c2 + u * (c3 + u * c4))) * scale
         q = min(max(np.rint(t), -top), top)
         sure &= abs(t - q) < edge
         codes[i] = np.int8(q if sure else T(-128))
+
+
+@njit(**_OPTIONS)
+def _ratio_restore(b, factors, codes, recon):  # pragma: no cover (compiled)
+    """``recon`` ``b * factors[code + 128]``; returns how many codes are nonzero."""
+    nonzero = 0
+    for i in range(b.size):
+        recon[i] = b[i] * factors[np.uint8(codes[i]) ^ np.uint8(128)]  # (the code + 128)
+        nonzero += codes[i] != 0
+    return nonzero
+
+
+@njit(**_OPTIONS)
+def _escaped(codes, at):  # pragma: no cover (compiled)
+    """The positions of the -128 codes into ``at``, eight codes at a time (a word holds one
+    when it XOR 0x80 in every byte has a zero byte); returns how many."""
+    k = 0
+    words = codes[: codes.size // 8 * 8].view(np.uint64)
+    for w in range(words.size):
+        x = words[w] ^ np.uint64(0x8080808080808080)
+        if (x - np.uint64(0x0101010101010101)) & ~x & np.uint64(0x8080808080808080):
+            for i in range(8 * w, 8 * w + 8):
+                at[k] = i
+                k += codes[i] == -128
+    for i in range(8 * words.size, codes.size):
+        at[k] = i
+        k += codes[i] == -128
+    return k
 
 
 @njit(**_OPTIONS)
@@ -249,27 +317,29 @@ def ratio(v, b, factors, bounds, scale, codes, recon):  # pragma: no cover (comp
     step)``), reconstruction ``b * factors[q + 128]``. An element that is not positive, or
     whose ratio is out of range, is escaped (-128, ``recon`` ``v``) unless it equals its base
     (code 0). Returns (nonzero codes but escapes, escapes)."""
-    _ratio_guess(v, b, bounds[0], bounds[255], scale, codes)
     low, high = bounds[0], bounds[255]
-    nonzero, escapes = 0, 0
-    for i in range(v.size):
-        q = np.int64(codes[i])
-        if q == -128:  # (rare: a far or uncertain ratio, or an escape)
-            x, y = v[i], b[i]
-            r = float(x / y)
-            if x > 0 and low <= r < high:
-                q = min(max(int(np.rint(math.log(r) * scale)), -127), 127)
-                while r >= bounds[q + 128]:
-                    q += 1
-                while r < bounds[q + 127]:
-                    q -= 1
-            elif x == y:
-                q = 0
-            else:
-                recon[i] = x
-                escapes += 1
-                continue
-            codes[i] = q
-        recon[i] = b[i] * factors[q + 128]
+    _ratio_guess(v, b, low, high, scale, codes)
+    nonzero = _ratio_restore(b, factors, codes, recon)
+    at = np.empty(v.size, np.int64)
+    marked = _escaped(codes, at)
+    nonzero -= marked
+    escapes = 0
+    for i in at[:marked]:  # (few: far or uncertain ratios, and escapes)
+        x, y = v[i], b[i]
+        r = float(x / y)
+        if x > 0 and low <= r < high:
+            q = min(max(int(np.rint(math.log(r) * scale)), -127), 127)
+            while r >= bounds[q + 128]:
+                q += 1
+            while r < bounds[q + 127]:
+                q -= 1
+        elif x == y:
+            q = 0
+        else:
+            recon[i] = x
+            escapes += 1
+            continue
+        codes[i] = q
+        recon[i] = y * factors[q + 128]
         nonzero += q != 0
     return nonzero, escapes
