@@ -170,16 +170,12 @@ def _nibbles(row: np.ndarray) -> tuple[bytes, np.ndarray, np.ndarray] | None:
     outside = sample.size - np.count_nonzero((sample >= -7) & (sample <= 7))
     if outside > _NIBBLES_MAX_ESCAPED * sample.size or entropy_bits(sample) < _NIBBLES_MIN_BITS:
         return None
-    at, escaped = np.empty(0, np.int64), row[:0]
-    if int(row.min()) < -7 or int(row.max()) > 7:
-        at = np.flatnonzero((row < -7) | (row > 7))
-        escaped = row[at]
-        row = row.copy()
-        row[at] = _NIBBLE_ESCAPE
-    if row.size % 2:
-        row = np.append(row, np.int8(0))
-    pairs = row.view("<u2")  # code 2i in the low byte, 2i + 1 in the high one: nibbles 0-3 and 8-11
-    frame = zstd.compress(((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).astype(np.uint8), 1)
+    from . import kernels
+
+    packed, at = np.empty((row.size + 1) // 2, np.uint8), np.empty(row.size, np.int64)
+    at = at[: kernels.nibbles(row, packed, at)]
+    escaped = row[at]
+    frame = zstd.compress(packed, 1)
     head = np.array([NIBBLES], np.uint8).tobytes() + np.uint32(at.size).astype("<u4").tobytes()
     return b"".join([head, escaped.tobytes(), np.uint32(len(frame)).astype("<u4").tobytes(), frame]), at, escaped
 
