@@ -123,12 +123,14 @@ def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[b
     picked, positions, kept = [], [], []
     for j, row in enumerate(rows):
         if layouts_ok:
-            nonzero = row != 0
-            count = np.count_nonzero(nonzero)
+            count = np.count_nonzero(row)
             if 0 < count <= _SPARSE_AT_MOST * n:
+                from . import kernels
+
                 picked.append(j)
-                positions.append(np.flatnonzero(nonzero))
-                kept.append(row[positions[-1]])
+                positions.append(np.empty(count, np.int64))
+                kept.append(np.empty(count, np.int8))
+                kernels.nonzeros(row, positions[-1], kept[-1])
                 out.append(b"")  # below
                 if find is not None:
                     found.append(positions[-1][kept[-1] == find])

@@ -316,7 +316,8 @@ def ratio(v, b, factors, bounds, scale, codes, recon):  # pragma: no cover (comp
     v / b < bounds[q + 128]`` (float64 ``(1 + step)^(q -+ 1/2)``; ``scale``: ``1 / log(1 +
     step)``), reconstruction ``b * factors[q + 128]``. An element that is not positive, or
     whose ratio is out of range, is escaped (-128, ``recon`` ``v``) unless it equals its base
-    (code 0). Returns (nonzero codes but escapes, escapes)."""
+    (code 0), whose reconstruction ``b * 1`` is then ``b``, bit for bit (a NaN base never
+    codes: it differs from every value). Returns (nonzero codes but escapes, escapes)."""
     low, high = bounds[0], bounds[255]
     _ratio_guess(v, b, low, high, scale, codes)
     nonzero = _ratio_restore(b, factors, codes, recon)
@@ -373,3 +374,23 @@ def nibbles(codes, packed, at):  # pragma: no cover (compiled)
         at[k] = i
         k += (codes[i] < -7) | (codes[i] > 7)
     return k
+
+
+@njit(**_OPTIONS)
+def nonzeros(codes, at, kept):  # pragma: no cover (compiled)
+    """The positions of the nonzero ``codes`` into ``at`` and those codes into ``kept`` (both
+    sized to their count), eight codes at a time (a zero word holds none)."""
+    k = 0
+    words = codes[: codes.size // 8 * 8].view(np.uint64)
+    for w in range(words.size):
+        if words[w]:
+            for i in range(8 * w, 8 * w + 8):
+                if codes[i]:
+                    at[k] = i
+                    kept[k] = codes[i]
+                    k += 1
+    for i in range(8 * words.size, codes.size):
+        if codes[i]:
+            at[k] = i
+            kept[k] = codes[i]
+            k += 1
