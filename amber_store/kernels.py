@@ -6,8 +6,11 @@ accelerator. On the training host's CPU each pass costs memory bandwidth, and so
 CPU kernels are slow there (a float compare into a bool mask: 4x numpy's; ``log2``: 1.2 ns an
 element). These kernels (numba, compiled once per dtype and cached on disk) take a piece in
 one or two vectorized passes that stay in the CPU's cache, release the GIL, and run a piece
-per codec thread. They make the torch code's decisions and write the reconstruction readers
-compute, to the bit: the tests check both against the torch code run on the same CPU tensors.
+per codec thread. They make the torch code's decisions (but where torch's float32 ``log2``
+rounds across a code or an exponent, which they decide exactly: vanishingly rare) and write
+the reconstruction readers compute, to the bit: the tests check both against the torch code
+run on the same CPU tensors. Two more serve :mod:`amber_store.entropy`'s encoder (``nibbles``,
+``nonzeros``): one call where a dozen numpy passes would each take the GIL.
 
 Loops index slices from 0 (``range(x.size)``): a loop from an offset read from an array does
 not vectorize (numba cannot tell the index is never negative), and nor does one that counts
