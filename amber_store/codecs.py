@@ -420,16 +420,17 @@ _Quantizer = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int]], int, t
 
 
 def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...], out: torch.Tensor | None,
-                        quantize: _Quantizer, host: _Quantizer | None = None,
-                        finish: Callable[[list[tuple[int, int]], Any, torch.Tensor, torch.Tensor], Any] | None = None
+                        quantize: _Quantizer, host: _Quantizer | None = None, finish: Finish | None = None,
+                        sided: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Any]], list[Any] | None] | None:
     """A lossy delta of ``value`` against ``base`` (its bits), :data:`_PIECE_BYTES` of whole
     chunks at a time: (int8 codes, bits of the reconstruction, in ``out`` when it is on value's
     device, each piece's chunk count and side data, ``None`` if it has none or its codes are
     all 0, and what ``finish`` returned for each piece), or ``None`` when every code is 0.
     Escaped elements keep their exact bits. ``host``: the quantizer of a CPU tensor when
-    :func:`_on_host`, whose pieces then run on the codec threads, each then passed (its runs,
-    what the quantizer returned, and the whole codes and bits) to ``finish`` (host only)."""
+    :func:`_on_host`, whose pieces then run on the codec threads, each then passed to
+    ``finish`` (host only) with its side data as :attr:`Delta.side` when ``sided`` (rows of
+    side codes, not a quantizer's own data)."""
     on_host = host is not None and _on_host(value)
     quantize = host if on_host else quantize
     finish = finish if on_host else None
@@ -465,7 +466,10 @@ def _quantize_in_pieces(value: torch.Tensor, base: torch.Tensor, chunks: tuple[i
             if quantized[1] is not None:
                 at = quantized[1].nonzero().view(-1) + lo
                 bits[at] = value_bits[at]
-        return quantized, None if finish is None else finish(part, quantized, codes, bits)
+        if finish is None:
+            return quantized, None
+        side = quantized[0].numpy() if sided and quantized is not None and quantized[0] is not None else None
+        return quantized, finish(Delta(codes.numpy(), bits, side=side), part)
 
     parts = [runs[k: k + per] for k in range(0, len(runs), per)]
     done = list(_map_pieces(piece, parts) if on_host else map(piece, parts))
@@ -675,13 +679,8 @@ class QuantizedDeltaCodec(DeltaCodec):
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
              out: torch.Tensor | None = None, finish: Finish | None = None) -> Delta | None:
-        def finish_piece(part: list[tuple[int, int]], quantized: Any, codes: torch.Tensor, bits: torch.Tensor) -> Any:
-            assert finish is not None
-            return finish(Delta(codes.numpy(), bits), part)
-
         try:
-            delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host,
-                                        None if finish is None else finish_piece)
+            delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host, finish)
         except _NonFinite:
             return DiffDeltaCodec().diff(value, base, chunks)  # never quantize NaN/inf
         if delta is None:
@@ -858,13 +857,8 @@ class _CodedDelta(DeltaCodec):
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
              out: torch.Tensor | None = None, finish: Finish | None = None) -> Delta | None:
-        def finish_piece(part: list[tuple[int, int]], quantized: Any, codes: torch.Tensor, bits: torch.Tensor) -> Any:
-            assert finish is not None
-            side = None if quantized is None or quantized[0] is None else quantized[0].numpy()
-            return finish(Delta(codes.numpy(), bits, side=side), part)
-
-        delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host,
-                                    None if finish is None else finish_piece)
+        delta = _quantize_in_pieces(value, base, chunks, out, self._quantize, self._quantize_on_host, finish,
+                                    sided=bool(self.side_width))
         if delta is None:
             return None
         codes, bits, sides, encoded = delta
