@@ -696,7 +696,7 @@ class QuantizedDeltaCodec(DeltaCodec):
         peak = torch.maximum(rows.amax(-1), rows.amin(-1).neg_())  # NaN or inf if any change is
         if not bool(torch.isfinite(peak).all()):
             raise _NonFinite
-        scales = (peak.double() / self.qmax).tolist()  # float(peak) / qmax, as readers get them
+        scales = [p / self.qmax for p in peak.double().tolist()]  # float(peak) / qmax, on the host (_divided)
         # Every chunk at once, with the same single IEEE operations as dequantize's per chunk
         # (the scale rounded to the compute dtype, q * scale, then + base), so readers agree.
         scale = torch.tensor(scales, dtype=torch.float64).to(device=v.device, dtype=v.dtype).unsqueeze(-1)
@@ -896,6 +896,12 @@ def _block_norms(blocks: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(finite.to(torch.float64), dim=-1).to(blocks.dtype)
 
 
+def _divided(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` in place, correctly rounded on every device: CUDA divides by a Python
+    number as a multiply by its reciprocal (an ulp off), so it goes as a tensor on x's device."""
+    return x.div_(divisor if x.device.type == "cpu" else torch.tensor(divisor, dtype=x.dtype, device=x.device))
+
+
 def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``2 ** e`` built from its exponent bits: exact on every device."""
     if dtype == torch.float64:
@@ -976,10 +982,10 @@ class BlockDeltaCodec(_CodedDelta):
             exact = unknown & blocked(v != b)[0]
             exact = exact if bool(exact.any()) else None
             peak = changes.abs().amax(-1)
-        rms = _block_norms(blocked(v)[0]).div_(math.sqrt(self.block))
+        rms = _divided(_block_norms(blocked(v)[0]), math.sqrt(self.block))
         e = torch.log2(rms.mul_(self.step)).round_().nan_to_num_(0, posinf=126, neginf=-126)
         # never so fine that a code leaves +-127 (a change far above the block's RMS value)
-        fit = torch.log2(peak / 127).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
+        fit = torch.log2(_divided(peak.clone(), 127)).ceil_().nan_to_num_(0, posinf=126, neginf=-126)
         e = torch.maximum(e, fit).clamp_(-126, 126)  # 2^e and 2^-e normal: multiplying by them is exact
         inverse = _pow2(-e, v.dtype)
         # A code is nonzero iff its change is over half a step (0.5 rounds to even, 0), and

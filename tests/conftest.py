@@ -170,6 +170,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="no CUDA device"))])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Where a state lives: the CPU, and a CUDA device when the suite runs on a GPU machine
+    (there the torch code takes deltas on the device, as in training)."""
+    return torch.device(request.param)
+
+
 @pytest.fixture(params=["kernels", "torch"])
 def diff_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Lossy diffs of CPU tensors by the fused host kernels (:mod:`amber_store.kernels`), or by

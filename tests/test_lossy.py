@@ -432,10 +432,10 @@ def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch
                          ids=["sparse", "quant8", "quant4", "block", "block-fine", "ratio"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("chunks", [(8, 32), (12, 32)])  # chunks that tile the tensor; a ragged edge chunk
-def test_the_host_kernels_take_the_delta_the_torch_code_takes(monkeypatch, codec, dtype, chunks):
-    # What tensors on an accelerator get (torch) and what CPU tensors get (the kernels, a piece
-    # per codec thread) must be the same delta: the same codes, side codes, scales, kept
-    # elements and reconstruction, to the bit.
+def test_the_host_kernels_take_the_delta_the_torch_code_takes(monkeypatch, codec, dtype, chunks, device):
+    # What tensors on an accelerator get (torch, on their device) and what CPU tensors get (the
+    # kernels, a piece per codec thread) must be the same delta: the same codes, side codes,
+    # scales, kept elements and reconstruction, to the bit.
     g = torch.Generator().manual_seed(6)
     base = torch.randn(100, 32, generator=g).to(torch.float64)
     value = base * (1 + 0.05 * torch.randn(base.shape, generator=g))
@@ -452,7 +452,7 @@ def test_the_host_kernels_take_the_delta_the_torch_code_takes(monkeypatch, codec
     monkeypatch.setattr(amber_codecs, "_PIECE", 1000)
     host = codec.diff(value, base_bits, chunks)
     monkeypatch.setattr(amber_codecs, "HOST_KERNELS", False)
-    reference = codec.diff(value, base_bits, chunks)
+    reference = codec.diff(value.to(device), base_bits, chunks)
     assert_same_delta(host, reference, tuple(base.shape), chunks)
     assert reference.changes is not None or (host.data != 0).sum() > 100
 
