@@ -5,8 +5,9 @@ threshold go, whole, into one *pack* stream per step; every larger tensor become
 object holding its chunks and an index (zarr v3 ``sharding_indexed``). Chunks are diffed against
 the base, checksummed and compressed on :func:`~amber_store.codecs.codec_pool`'s threads (all
 release the GIL), straight from the tensor's memory into reused buffers. Deltas of tensors on an
-accelerator are computed there with torch, so only the delta crosses to the host; lossy codecs
-run their torch ``diff`` on the tensor's device too. Objects are written on zarr's event loop
+accelerator, lossless or lossy, are computed there with torch; what crosses to the host (the
+delta, and the reconstruction kept as the next save's base) lands in pinned memory
+(:func:`~amber_store.codecs.to_host`), at the link's speed. Objects are written on zarr's event loop
 while the next tensors encode, at most ``max_inflight_bytes`` of them at once.
 """
 
@@ -33,7 +34,7 @@ from zarr.core.sync import sync
 
 from . import format as fmt
 from .codecs import (CODEC_THREADS, DELTA_ENCODINGS, Compression, Delta, DeltaCodec, DiffDeltaCodec, LosslessDeltaCodec,
-                     QuantizedDeltaCodec, codec_named, codec_pool, scratch)
+                     QuantizedDeltaCodec, codec_named, codec_pool, scratch, to_host)
 from .errors import AsyncSaveError
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, itemsize, to_bits
 
@@ -433,19 +434,22 @@ class StepWriter:
         array = None if packed else f"{self._group}/{fmt.array_name(key)}"
         entry = TensorEntry(name, list(shape), list(chunks), encoding, None if base is None else base.step,  # type: ignore[arg-type]
                             array, [], nbytes, params=None if delta is None else delta.params)
-        host = None
+        host = copied = None
         if delta is not None:
             value = delta.recon
         else:  # the raw bits on the host (a view for CPU tensors): diffed there, chunk by chunk
             bits = to_bits(tensor)
-            host = bits_to_numpy(bits.to("cpu")).reshape(-1)
+            copied = to_host(bits)
+            host = bits_to_numpy(copied).reshape(-1)
             value = None
             if keep:
-                value = self._recycle(key, bits)
+                value = self._recycle(key, bits) if tensor.is_cpu else copied
                 if value is None:
                     value = torch.empty(shape, dtype=bits.dtype)
         if keep:
             self._out.values[key] = value
+        if value is copied:  # (an accelerator's raw bits: a private copy already, kept as it is)
+            value = None
         if packed:
             self._add_packed(key, entry, host, value, delta, base, codec)
         else:
