@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent))
@@ -172,6 +174,18 @@ def plot_sweep(data: list, path: Path) -> None:
     plt.close(fig)
 
 
+def device_report() -> str:
+    """benchmarks/device.py's report: run here when this machine has a CUDA device, else the one
+    a GPU machine last wrote to benchmarks/results/device.md (it names its date and machine)."""
+    if torch.cuda.is_available():
+        return run("device")[0]
+    path = RESULTS / "device.md"
+    if not path.exists():
+        return "Not measured: `python benchmarks/device.py` has not run on a machine with a CUDA device yet."
+    return ("Not run by this `make bench` (no CUDA device here): the last report of `python benchmarks/device.py "
+            f"--json benchmarks/results/device.json` on a GPU machine.\n\n{path.read_text().strip()}")
+
+
 def verdict(value: float, goal: float, higher_is_better: bool = True) -> str:
     met = value >= goal if higher_is_better else value <= goal
     return "met" if met else "**not met**"
@@ -204,6 +218,7 @@ def main() -> None:
     sweep_md, sweep = run("sweep", "--sizes", *(["5", "12"] if args.quick else ["5", "12", "25", "50", "100"]))
     layout_md, layout = run("layout", *(["--params", "10", "--small", "500", "--policy-params", "5", "--repeats", "2"]
                                         if args.quick else ["--repeats", "2"]))
+    device_md = device_report()
     policies_md, policies = run("policies", *(["--checkpoints", "20", "--repeats", "3"] if args.quick else []))
     plot_training(training, RESULTS / "training.png", "GPT + AdamW, checkpoint every 10 steps")
     plot_training(frozen, RESULTS / "training-frozen.png", "fine-tuning: all but the last block frozen")
@@ -332,6 +347,10 @@ Where amber-store loses:
 ![save time and bytes by model size](results/sweep.png)
 
 {sweep_md}
+
+## A state on a GPU: deltas taken on the device
+
+{device_md}
 """
     (HERE / "RESULTS.md").write_text(summary)
     print(f"wrote {HERE / 'RESULTS.md'} in {elapsed / 60:.1f} min")
