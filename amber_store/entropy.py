@@ -3,8 +3,11 @@
 zstd stores codes that cluster near zero about twice as large as their entropy (measured: 1.10
 bits per code at 0.55 bits of entropy; its Huffman stage spends at least one bit per literal).
 An asymmetric numeral system coder driven by the chunk's own histogram reaches the entropy
-(0.551 bits at 0.551). The coder is ``constriction``'s (Rust; about 60-90 M codes/s encoding
-and 30-50 M/s decoding per core on this project's 2-core machine).
+(0.551 bits at 0.551). The coder is ``constriction``'s (Rust; 30-50 M codes/s decoding per core
+on this project's 2-core machine, holding the GIL). Its encoder is restated as a numba kernel
+(:func:`amber_store.kernels.ans`: the same words, which a test checks against constriction's
+on many histograms) that releases the GIL, so both cores encode (``ans_encode`` of 1M codes:
+6.4-7.3 ms, 8.3-9.0 ms with constriction's encoder, which took one core at a time).
 
 A coded block is, little-endian::
 
@@ -13,8 +16,7 @@ A coded block is, little-endian::
     u32[span + 1] counts   how often each symbol occurs (the model; zero for unused ones)
     u32 nwords, u32[nwords] the ANS stream (none when only one symbol occurs)
 
-Most codes of a lossy delta are zero, and the coder's cost is per symbol (and it holds the GIL:
-one core however many threads), so a chunk's codes (format 7, :func:`encode_codes`) may be
+Most codes of a lossy delta are zero, and the coder's cost is per symbol, so a chunk's codes (format 7, :func:`encode_codes`) may be
 stored *sparse*: the gaps between nonzero codes, as deflate codes distances (a coded bit-length
 class and raw low bits: within 2% of the entropy of geometric gaps), then only those codes. Two
 coded symbols per nonzero code instead of one per code: per 1M codes with 2% nonzero, 3.1 ms to
@@ -41,21 +43,17 @@ Categorical = constriction.stream.model.Categorical
 
 
 def ans_encode(codes: np.ndarray) -> bytes:
-    """``codes`` (int8, any shape; read in C order) as one coded block."""
-    symbols = codes.reshape(-1).view(np.uint8) ^ np.uint8(0x80)  # code + 128, without a copy to int16
-    counts = np.bincount(symbols, minlength=1)
-    used = np.flatnonzero(counts)
-    if used.size == 0:
+    """``codes`` (int8, any shape; read in C order) as one coded block (by
+    :func:`amber_store.kernels.ans`: constriction's words, with the GIL released)."""
+    from . import kernels
+
+    flat = codes.reshape(-1)
+    if flat.size == 0:
         return bytes(10)  # an empty block: one (zero) count, no words
-    first, last = int(used[0]), int(used[-1])
-    counts = counts[first: last + 1].astype("<u4")
-    head = bytes([first, last - first]) + counts.tobytes()
-    if first == last:
-        return head + bytes(4)
-    coder = AnsCoder()
-    coder.encode_reverse(np.subtract(symbols, first, dtype=np.int32), _model(counts))
-    words = coder.get_compressed().astype("<u4")
-    return head + np.uint32(words.size).astype("<u4").tobytes() + words.tobytes()
+    counts, words = np.empty(256, np.int64), np.empty(flat.size + 2, np.uint32)
+    first, last, m = kernels.ans(flat, counts, words)
+    head = bytes([first, last - first]) + counts[first: last + 1].astype("<u4").tobytes()
+    return head + np.uint32(m).astype("<u4").tobytes() + words[:m].astype("<u4").tobytes()
 
 
 def ans_decode(raw: np.ndarray, n: int) -> tuple[np.ndarray, int]:
@@ -109,59 +107,50 @@ def encode_codes(codes: np.ndarray) -> bytes:
 
 
 def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[bytes | None], list[np.ndarray]]:
-    """:func:`encode_codes` of each row of ``rows`` (int8, ``(chunks, n)``), the same bytes, or
-    ``None`` for a row of zeros; and the positions of the nonzero code ``find`` in each row
-    (an empty list without it), found among the nonzero codes of sparse rows. The sparse rows'
-    gaps and extra bits are found in one vectorized pass over all of them (row by row, ~25
-    small numpy calls cost several times their arithmetic, holding the GIL); the passes over
-    every code run row by row (a temporary of all rows would cost its page faults), as does
-    the coder."""
+    """:func:`encode_codes` of each row of ``rows`` (int8, ``(chunks, n)``), or ``None`` for a
+    row of zeros; and the positions of the nonzero code ``find`` in each row (an empty list
+    without it). A row's layout is found and packed by kernels that release the GIL
+    (:mod:`amber_store.kernels`: its nonzero codes, their gaps, the nibbles); what holds it is
+    the rANS coder and a few numpy calls a row."""
     n = rows.shape[1]
     layouts_ok = _LAYOUT_MIN_CODES <= n < 1 << 32
     out: list[bytes | None] = []
     found: list[np.ndarray] = []
-    picked, positions, kept = [], [], []
-    for j, row in enumerate(rows):
+    for row in rows:
         if layouts_ok:
             count = np.count_nonzero(row)
-            if 0 < count <= _SPARSE_AT_MOST * n:
+            if count <= _SPARSE_AT_MOST * n:
                 from . import kernels
 
-                picked.append(j)
-                positions.append(np.empty(count, np.int64))
-                kept.append(np.empty(count, np.int8))
-                kernels.nonzeros(row, positions[-1], kept[-1])
-                out.append(b"")  # below
+                at, kept = np.empty(count, np.int64), np.empty(count, np.int8)
+                kernels.nonzeros(row, at, kept)
+                out.append(_sparse(at, kept) if count else None)
                 if find is not None:
-                    found.append(positions[-1][kept[-1] == find])
+                    found.append(at[kept == find])
                 continue
-        else:
-            count = int(row.any())
-        nibbles = _nibbles(row) if layouts_ok and count else None
-        if nibbles is not None:
-            block, at, escaped = nibbles
-            out.append(block)
+            nibbles = _nibbles(row)
+            if nibbles is not None:
+                block, at, escaped = nibbles
+                out.append(block)
+                if find is not None:
+                    found.append(at[escaped == find])
+                continue
+        elif not row.any():
+            out.append(None)
             if find is not None:
-                found.append(at[escaped == find])
+                found.append(np.empty(0, np.int64))
             continue
-        out.append(None if count == 0 else bytes([DENSE]) + ans_encode(row))
+        out.append(bytes([DENSE]) + ans_encode(row))
         if find is not None:
-            found.append(np.flatnonzero(row == find) if count else np.empty(0, np.int64))
-    if not picked:
-        return out, found
-    at, codes = np.concatenate(positions), np.concatenate(kept)
-    bounds = np.concatenate(([0], np.cumsum([p.size for p in positions])))
-    gaps = np.empty_like(at)
-    np.subtract(at[1:], at[:-1], out=gaps[1:])
-    gaps[1:] -= 1
-    gaps[bounds[:-1]] = at[bounds[:-1]]  # a row's first gap counts from its start (every picked row has one)
-    classes, words, starts, nbits = _gaps_pack(gaps, bounds)
-    for r, j in enumerate(picked):
-        lo, hi = bounds[r], bounds[r + 1]
-        extra = words[8 * starts[r]: 8 * starts[r] + -(-nbits[r] // 8)]
-        out[j] = b"".join([bytes([SPARSE]), np.uint32(hi - lo).astype("<u4").tobytes(), ans_encode(classes[lo:hi]),
-                           np.uint32(extra.size).astype("<u4").tobytes(), extra.tobytes(), ans_encode(codes[lo:hi])])
+            found.append(np.flatnonzero(row == find))
     return out, found
+
+
+def _sparse(at: np.ndarray, kept: np.ndarray) -> bytes:
+    """The :data:`SPARSE` layout of the nonzero codes ``kept`` at positions ``at``."""
+    classes, extra = _gaps_encode(at)
+    return b"".join([bytes([SPARSE]), np.uint32(at.size).astype("<u4").tobytes(), ans_encode(classes),
+                     np.uint32(extra.size).astype("<u4").tobytes(), extra.tobytes(), ans_encode(kept)])
 
 
 def _nibbles(row: np.ndarray) -> tuple[bytes, np.ndarray, np.ndarray] | None:
@@ -240,37 +229,14 @@ def decode_codes(raw: np.ndarray, n: int) -> tuple[np.ndarray, int]:
     return codes, at + used
 
 
-def _gaps_encode(gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(classes as int8, packed extra bits) of ``gaps`` (int64, >= 0): a class and raw low bits,
-    as deflate codes distances: within 2% of the entropy of geometric gaps (measured), with
-    one coded symbol per gap."""
-    classes, words, _, nbits = _gaps_pack(gaps, np.array([0, gaps.size]))
-    return classes, words[: -(-int(nbits[0]) // 8)]
+def _gaps_encode(at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(classes as int8, packed extra bits) of the gaps before the increasing positions ``at``
+    (int64), as deflate codes distances: within 2% of the entropy of geometric gaps
+    (measured), with one coded symbol per gap."""
+    from . import kernels
 
-
-def _gaps_pack(gaps: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_gaps_encode` of each run ``gaps[bounds[r]:bounds[r + 1]]`` at once: (all classes
-    as int8, the packed extra bits of every run as bytes, where run ``r``'s start at byte
-    ``8 * starts[r]``, and each run's number of extra bits)."""
-    exponent = gaps.astype(np.float64).view(np.int64) >> 52  # biased; exact for integers below 2^53
-    classes = np.maximum(exponent - 1022, 0)  # the bit length
-    width = np.maximum(exponent - 1023, 0)
-    low = (gaps & ((np.int64(1) << width) - 1)).astype(np.uint64)
-    ends = np.concatenate(([0], np.cumsum(width)))
-    nbits = ends[bounds[1:]] - ends[bounds[:-1]]
-    # Each run's bits start a fresh u64 word (its spill word reserved), gaps in order, least
-    # significant bit first. A gap's <= 31 bits at bit `start` lie within the 64-bit window of
-    # u32 word `start >> 5`: the gaps of a window (consecutive ones) never overlap, so OR-ing
-    # them packs it, and its two halves OR into their u32 words.
-    starts = np.concatenate(([0], np.cumsum(nbits // 64 + 2)))
-    start = ends[:-1] + np.repeat(starts[:-1] * 64 - ends[bounds[:-1]], np.diff(bounds))
-    window = start >> 5
-    first = np.flatnonzero(np.diff(window, prepend=-1) != 0)
-    packed = np.bitwise_or.reduceat(low << (start & 31).astype(np.uint64), first) if first.size else low
-    words = np.zeros(2 * starts[-1], dtype=np.uint32)
-    words[window[first]] |= packed.astype(np.uint32)
-    words[window[first] + 1] |= (packed >> np.uint64(32)).astype(np.uint32)
-    return classes.astype(np.int8), words.astype("<u4").view(np.uint8), starts[:-1], nbits
+    classes, extra = np.empty(at.size, np.int8), np.empty(4 * at.size, np.uint8)
+    return classes, extra[: kernels.gaps(at, classes, extra)]
 
 
 def _gaps_decode(classes: np.ndarray, extra: np.ndarray) -> np.ndarray:

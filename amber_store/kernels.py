@@ -9,8 +9,8 @@ one or two vectorized passes that stay in the CPU's cache, release the GIL, and 
 per codec thread. They make the torch code's decisions (but where torch's float32 ``log2``
 rounds across a code or an exponent, which they decide exactly: vanishingly rare) and write
 the reconstruction readers compute, to the bit: the tests check both against the torch code
-run on the same CPU tensors. Two more serve :mod:`amber_store.entropy`'s encoder (``nibbles``,
-``nonzeros``): one call where a dozen numpy passes would each take the GIL.
+run on the same CPU tensors. Three more serve :mod:`amber_store.entropy`'s encoder (``nibbles``,
+``nonzeros``, ``gaps``): one call where a dozen numpy passes would each take the GIL.
 
 Loops index slices from 0 (``range(x.size)``): a loop from an offset read from an array does
 not vectorize (numba cannot tell the index is never negative), and nor does one that counts
@@ -397,3 +397,88 @@ def nonzeros(codes, at, kept):  # pragma: no cover (compiled)
             at[k] = i
             kept[k] = codes[i]
             k += 1
+
+
+@njit(**_OPTIONS)
+def gaps(at, classes, extra):  # pragma: no cover (compiled)
+    """The gaps before the increasing positions ``at`` (the zeros before each nonzero code) as
+    deflate codes distances: each one's class, its bit length, into ``classes`` (int8), and
+    its bits but the leading one, least significant first, into ``extra`` (bytes, in
+    little-endian bit order, at most 31 bits a gap); returns the bytes of ``extra`` used."""
+    acc = np.uint64(0)
+    fill = 0
+    m = 0
+    prev = -1
+    for i in range(at.size):
+        gap = at[i] - prev - 1
+        prev = at[i]
+        c = math.frexp(float(gap))[1]  # (exact below 2^53; 0 for a gap of 0)
+        classes[i] = c
+        if c > 1:
+            acc |= np.uint64(gap & ((1 << (c - 1)) - 1)) << np.uint64(fill)
+            fill += c - 1
+            while fill >= 8:
+                extra[m] = np.uint8(acc & np.uint64(255))
+                acc >>= np.uint64(8)
+                fill -= 8
+                m += 1
+    if fill:
+        extra[m] = np.uint8(acc)
+        m += 1
+    return m
+
+
+@njit(**_OPTIONS)
+def ans(codes, counts, words):  # pragma: no cover (compiled)
+    """``codes`` (int8) rANS-coded as ``constriction``'s ``AnsCoder().encode_reverse`` codes
+    their symbols (code + 128, less the smallest) under its ``Categorical(perfect=False)``
+    model of their histogram, to the word: the same float operations build the model (each
+    symbol's left cumulative ``int(cdf * (2^24 - n) / sum(p)) + i``), the same 64-bit state
+    and 32-bit words encode, the state's words (low, then high) end the stream. Fills
+    ``counts`` (256) with the histogram; returns (smallest symbol, largest symbol, words
+    written to ``words``: none when one symbol occurs). But here the GIL is released, so both
+    cores code (:mod:`amber_store.entropy` decodes with constriction itself)."""
+    counts[:] = 0
+    for i in range(codes.size):
+        counts[np.uint8(codes[i]) ^ np.uint8(0x80)] += 1
+    first, last = 0, 255
+    while first < 255 and counts[first] == 0:
+        first += 1
+    while last > first and counts[last] == 0:
+        last -= 1
+    if first == last:
+        return first, last, 0
+    n = last - first + 1
+    total = 0.0
+    for s in range(n):
+        total += counts[first + s]
+    norm = 0.0
+    for s in range(n):
+        norm += counts[first + s] / total
+    scale = float((1 << 24) - n) / norm
+    left = np.empty(n, np.uint64)
+    prob = np.empty(n, np.uint64)
+    cdf = 0.0
+    for s in range(n):
+        left[s] = np.uint64(np.uint32(cdf * scale) + s)
+        cdf += counts[first + s] / total
+    for s in range(n - 1):
+        prob[s] = left[s + 1] - left[s]
+    prob[n - 1] = np.uint64(1 << 24) - left[n - 1]
+    state = np.uint64(0)
+    m = 0
+    for i in range(codes.size - 1, -1, -1):
+        s = (np.uint8(codes[i]) ^ np.uint8(0x80)) - first
+        p = prob[s]
+        if (state >> np.uint64(40)) >= p:
+            words[m] = np.uint32(state & np.uint64(0xFFFFFFFF))
+            m += 1
+            state >>= np.uint64(32)
+        state = ((state // p) << np.uint64(24)) | (left[s] + state % p)
+    if state:
+        words[m] = np.uint32(state & np.uint64(0xFFFFFFFF))
+        m += 1
+        if state >> np.uint64(32):
+            words[m] = np.uint32(state >> np.uint64(32))
+            m += 1
+    return first, last, m

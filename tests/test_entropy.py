@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import constriction
 import numpy as np
 import pytest
 
@@ -30,6 +31,36 @@ def test_ans_stores_near_zero_codes_within_a_percent_of_their_entropy(sigma):
     codes = np.clip(np.round(rng.standard_normal(1 << 18) * sigma), -127, 127).astype(np.int8)
     bits = 8 * len(ans_encode(codes)) / codes.size
     assert bits <= entropy_bits(codes) * 1.01 + 0.002
+
+
+def constriction_block(codes: np.ndarray) -> bytes:
+    """What ans_encode wrote by constriction's own encoder (formats 4-8): its kernel must write
+    these bytes, which readers decode with constriction."""
+    symbols = codes.view(np.uint8) ^ np.uint8(0x80)
+    counts = np.bincount(symbols)
+    used = np.flatnonzero(counts)
+    first, last = int(used[0]), int(used[-1])
+    counts = counts[first: last + 1].astype("<u4")
+    head = bytes([first, last - first]) + counts.tobytes()
+    if first == last:
+        return head + bytes(4)
+    coder = constriction.stream.stack.AnsCoder()
+    probs = counts.astype(np.float64)
+    coder.encode_reverse(np.subtract(symbols, first, dtype=np.int32),
+                         constriction.stream.model.Categorical(probs / probs.sum(), perfect=False))
+    words = coder.get_compressed().astype("<u4")
+    return head + np.uint32(words.size).astype("<u4").tobytes() + words.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_ans_kernel_writes_the_words_constriction_writes(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.choice([1, 2, 3, 100, 5000, 1 << 20]))
+    symbols = int(rng.integers(2, 257))  # how many codes occur, wherever in the range
+    alphabet = rng.choice(256, symbols, replace=False) - 128
+    skew = rng.dirichlet(np.full(symbols, rng.choice([0.01, 0.3, 3.0])))  # from one code nearly always to flat
+    codes = rng.choice(alphabet, n, p=skew).astype(np.int8)
+    assert ans_encode(codes) == constriction_block(codes)
 
 
 def test_a_malformed_block_is_refused_not_misread():
@@ -98,7 +129,7 @@ def test_gaps_round_trip_up_to_the_largest_a_chunk_can_hold():
     rng = np.random.default_rng(4)
     gaps = np.floor(rng.exponential(10.0 ** rng.uniform(0, 9, 500))).astype(np.int64)
     gaps[:4] = [0, 1, (1 << 31), (1 << 32) - 1]
-    classes, extra = _gaps_encode(gaps)
+    classes, extra = _gaps_encode(np.cumsum(gaps + 1) - 1)  # (the positions after those gaps)
     assert np.array_equal(_gaps_decode(classes, extra), gaps)
 
 
@@ -111,7 +142,7 @@ def test_malformed_codes_are_refused_not_misread():
             decode_codes(bad.astype(np.uint8), n)
 
     def forged(gaps: list[int], codes: list[int]) -> np.ndarray:
-        classes, extra = _gaps_encode(np.array(gaps, dtype=np.int64))
+        classes, extra = _gaps_encode(np.cumsum(np.array(gaps, dtype=np.int64) + 1) - 1)
         return np.frombuffer(b"".join([bytes([SPARSE]), np.uint32(len(gaps)).tobytes(), ans_encode(classes),
                                        np.uint32(extra.size).tobytes(), extra.tobytes(),
                                        ans_encode(np.array(codes, dtype=np.int8))]), np.uint8)
