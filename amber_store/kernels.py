@@ -482,3 +482,14 @@ def ans(codes, counts, words):  # pragma: no cover (compiled)
             words[m] = np.uint32(state >> np.uint64(32))
             m += 1
     return first, last, m
+
+
+@njit(**_OPTIONS)
+def pack4(codes, packed):  # pragma: no cover (compiled)
+    """``codes`` (int8 in [-7, 7]) two a byte into ``packed`` as ``code + 8``, code ``2i`` in
+    the low nibble (an odd count pads code 0): :func:`amber_store.codecs.pack4_encode`."""
+    n = codes.size
+    for j in range(n // 2):
+        packed[j] = np.uint8((codes[2 * j] + 8) & 15) | np.uint8(((codes[2 * j + 1] + 8) & 15) << 4)
+    if n % 2:
+        packed[n // 2] = np.uint8((codes[n - 1] + 8) & 15) | np.uint8(8 << 4)

@@ -17,7 +17,7 @@ import amber_store as amber
 from amber_store import codecs as amber_codecs
 from amber_store import entropy
 from amber_store import pipeline as amber_pipeline
-from amber_store.codecs import ESCAPE, AnsBytesCodec, Pack4BytesCodec, SparseBytesCodec
+from amber_store.codecs import ESCAPE, AnsBytesCodec, Pack4BytesCodec, SparseBytesCodec, pack4_decode, pack4_encode
 from amber_store.format import chunk_runs, to_bits
 from conftest import assert_bit_equal
 
@@ -636,6 +636,11 @@ def test_sparse_and_pack4_serializers_round_trip_their_own_encoded_form(codec, d
     assert type(codec).from_dict(codec.to_dict()) == codec
     if isinstance(codec, Pack4BytesCodec):
         assert len(encoded) == (arr.size + 1) // 2
+
+
+def test_quant4_codes_are_stored_as_code_plus_8_two_a_byte_low_nibble_first():
+    assert pack4_encode(np.array([-7, 7, 0], np.int8)) == bytes([0xF1, 0x88])  # (an odd count pads code 0)
+    assert np.array_equal(pack4_decode(np.array([0xF1, 0x88], np.uint8), (3,)), [-7, 7, 0])
 
 
 @pytest.mark.parametrize("codec", [amber.XorDeltaCodec(3, "a/b"), amber.DiffDeltaCodec(4, "c"),
