@@ -3,11 +3,12 @@
 zstd stores codes that cluster near zero about twice as large as their entropy (measured: 1.10
 bits per code at 0.55 bits of entropy; its Huffman stage spends at least one bit per literal).
 An asymmetric numeral system coder driven by the chunk's own histogram reaches the entropy
-(0.551 bits at 0.551). The coder is ``constriction``'s (Rust; 30-50 M codes/s decoding per core
-on this project's 2-core machine, holding the GIL). Its encoder is restated as a numba kernel
-(:func:`amber_store.kernels.ans`: the same words, which a test checks against constriction's
-on many histograms) that releases the GIL, so both cores encode (``ans_encode`` of 1M codes:
-6.4-7.3 ms, 8.3-9.0 ms with constriction's encoder, which took one core at a time).
+(0.551 bits at 0.551). The coder is ``constriction``'s rANS (formats 4-8 were written by it),
+restated as numba kernels (:func:`amber_store.kernels.ans` and ``unans``: the same words and
+the same codes, which the tests check against constriction's own on many histograms) that
+release the GIL, so both cores code: ``ans_encode`` of 1M codes takes 6.4-7.3 ms (8.3-9.0 with
+constriction's encoder), ``ans_decode`` 8.1-8.6 ms (12-22), and constriction took one core at a
+time. constriction itself is now only the tests' reference.
 
 A coded block is, little-endian::
 
@@ -33,13 +34,8 @@ block, 4-6x less time on one thread, and both cores work.
 
 from __future__ import annotations
 
-import constriction
 import numpy as np
 from numcodecs import zstd
-
-# constriction's submodules live in its extension module: attributes, not importable packages.
-AnsCoder = constriction.stream.stack.AnsCoder
-Categorical = constriction.stream.model.Categorical
 
 
 def ans_encode(codes: np.ndarray) -> bytes:
@@ -73,11 +69,12 @@ def ans_decode(raw: np.ndarray, n: int) -> tuple[np.ndarray, int]:
     if nwords == 0:
         if span:
             raise ValueError("malformed entropy-coded block")
-        symbols = np.full(n, first, dtype=np.int32)
-    else:
-        words = raw[end + 4: stop].view("<u4").astype(np.uint32)
-        symbols = AnsCoder(words).decode(_model(counts), n) + first
-    return (symbols.astype(np.uint8) ^ np.uint8(0x80)).view(np.int8), stop
+        return np.full(n, first ^ 0x80, np.uint8).view(np.int8), stop
+    from . import kernels
+
+    codes = np.empty(n, np.int8)
+    kernels.unans(raw[end + 4: stop].view("<u4").astype(np.uint32), first, counts.astype(np.int64), codes)
+    return codes, stop
 
 
 DENSE, SPARSE, NIBBLES = 0, 1, 2
@@ -257,12 +254,6 @@ def _gaps_decode(classes: np.ndarray, extra: np.ndarray) -> np.ndarray:
     nxt = np.where(shift > 0, words[word + np.uint64(1)] << ((np.uint64(64) - shift) & np.uint64(63)), np.uint64(0))
     low = (low | nxt) & ((np.uint64(1) << width.astype(np.uint64)) - np.uint64(1))
     return np.where(classes > 0, np.left_shift(1, width) + low.astype(np.int64), 0)
-
-
-def _model(counts: np.ndarray) -> constriction.stream.model.Categorical:
-    # The writer and every reader build the model from the same counts by the same float ops.
-    probs = counts.astype(np.float64)
-    return Categorical(probs / probs.sum(), perfect=False)
 
 
 def entropy_bits(codes: np.ndarray) -> float:

@@ -9,8 +9,9 @@ one or two vectorized passes that stay in the CPU's cache, release the GIL, and 
 per codec thread. They make the torch code's decisions (but where torch's float32 ``log2``
 rounds across a code or an exponent, which they decide exactly: vanishingly rare) and write
 the reconstruction readers compute, to the bit: the tests check both against the torch code
-run on the same CPU tensors. Three more serve :mod:`amber_store.entropy`'s encoder (``nibbles``,
-``nonzeros``, ``gaps``): one call where a dozen numpy passes would each take the GIL.
+run on the same CPU tensors. More serve :mod:`amber_store.entropy`: ``nibbles``, ``nonzeros``
+and ``gaps`` lay out codes in one call where a dozen numpy passes would each take the GIL;
+``ans`` and ``unans`` are its rANS coder.
 
 Loops index slices from 0 (``range(x.size)``): a loop from an offset read from an array does
 not vectorize (numba cannot tell the index is never negative), and nor does one that counts
@@ -437,7 +438,7 @@ def ans(codes, counts, words):  # pragma: no cover (compiled)
     and 32-bit words encode, the state's words (low, then high) end the stream. Fills
     ``counts`` (256) with the histogram; returns (smallest symbol, largest symbol, words
     written to ``words``: none when one symbol occurs). But here the GIL is released, so both
-    cores code (:mod:`amber_store.entropy` decodes with constriction itself)."""
+    cores code."""
     counts[:] = 0
     for i in range(codes.size):
         counts[np.uint8(codes[i]) ^ np.uint8(0x80)] += 1
@@ -493,3 +494,50 @@ def pack4(codes, packed):  # pragma: no cover (compiled)
         packed[j] = np.uint8((codes[2 * j] + 8) & 15) | np.uint8(((codes[2 * j + 1] + 8) & 15) << 4)
     if n % 2:
         packed[n // 2] = np.uint8((codes[n - 1] + 8) & 15) | np.uint8(8 << 4)
+
+
+@njit(**_OPTIONS)
+def unans(words, first, counts, codes):  # pragma: no cover (compiled)
+    """The ``codes.size`` codes of an :func:`ans` stream ``words`` (its model from ``counts``,
+    the histogram of symbols ``first`` on), into ``codes``, as constriction's
+    ``AnsCoder(words).decode`` takes them: the state from the last two words (high, low), each
+    symbol the one whose quantized interval holds the state's low 24 bits, a word read back
+    whenever the state falls below 2^32. The GIL is released: both cores decode."""
+    n = counts.size
+    total = 0.0
+    for s in range(n):
+        total += counts[s]
+    norm = 0.0
+    for s in range(n):
+        norm += counts[s] / total
+    scale = float((1 << 24) - n) / norm
+    left = np.empty(n + 1, np.uint64)
+    cdf = 0.0
+    for s in range(n):
+        left[s] = np.uint64(np.uint32(cdf * scale) + s)
+        cdf += counts[s] / total
+    left[n] = np.uint64(1 << 24)
+    start = np.empty(4096, np.int64)  # the symbol at each multiple of 2^12: a search of a step or two
+    s = 0
+    for j in range(4096):
+        while left[s + 1] <= np.uint64(j << 12):
+            s += 1
+        start[j] = s
+    m = words.size
+    state = np.uint64(0)
+    if m:
+        m -= 1
+        state = np.uint64(words[m])
+        if m:
+            m -= 1
+            state = (state << np.uint64(32)) | np.uint64(words[m])
+    for i in range(codes.size):
+        quantile = state & np.uint64((1 << 24) - 1)
+        lo = start[quantile >> np.uint64(12)]
+        while left[lo + 1] <= quantile:
+            lo += 1
+        codes[i] = np.int8(np.uint8(first + lo) ^ np.uint8(0x80))
+        state = (state >> np.uint64(24)) * (left[lo + 1] - left[lo]) + (quantile - left[lo])
+        if state < np.uint64(1 << 32) and m:
+            m -= 1
+            state = (state << np.uint64(32)) | np.uint64(words[m])

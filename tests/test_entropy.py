@@ -52,15 +52,40 @@ def constriction_block(codes: np.ndarray) -> bytes:
     return head + np.uint32(words.size).astype("<u4").tobytes() + words.tobytes()
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_the_ans_kernel_writes_the_words_constriction_writes(seed):
+def any_codes(seed: int) -> np.ndarray:
+    """Codes of any histogram: from one to 256 codes in use, wherever in the range, from one
+    code nearly always to flat."""
     rng = np.random.default_rng(seed)
     n = int(rng.choice([1, 2, 3, 100, 5000, 1 << 20]))
-    symbols = int(rng.integers(2, 257))  # how many codes occur, wherever in the range
+    symbols = int(rng.integers(1, 257))
     alphabet = rng.choice(256, symbols, replace=False) - 128
-    skew = rng.dirichlet(np.full(symbols, rng.choice([0.01, 0.3, 3.0])))  # from one code nearly always to flat
-    codes = rng.choice(alphabet, n, p=skew).astype(np.int8)
+    return rng.choice(alphabet, n, p=rng.dirichlet(np.full(symbols, rng.choice([0.01, 0.3, 3.0])))).astype(np.int8)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_ans_kernel_writes_the_words_constriction_writes(seed):
+    codes = any_codes(seed)
     assert ans_encode(codes) == constriction_block(codes)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_ans_kernel_reads_any_words_as_constriction_reads_them(seed):
+    # Its own blocks back to their codes; and other words (a block damaged past its checksum,
+    # a forged one) to whatever constriction would decode: the same function of the bytes.
+    codes = any_codes(seed)
+    block = np.frombuffer(ans_encode(codes), np.uint8)
+    assert np.array_equal(ans_decode(block, codes.size)[0], codes)
+    first, span = int(block[0]), int(block[1])
+    counts = block[2: 2 + 4 * (span + 1)].view("<u4")
+    rng = np.random.default_rng(seed)
+    for nwords in range(1, 5) if span else []:
+        words = rng.integers(0, 1 << 32, nwords, dtype=np.uint64).astype(np.uint32)
+        forged = np.concatenate([block[: 2 + 4 * (span + 1)], np.array([nwords], "<u4").view(np.uint8),
+                                 words.astype("<u4").view(np.uint8)])
+        probs = counts.astype(np.float64)
+        model = constriction.stream.model.Categorical(probs / probs.sum(), perfect=False)
+        symbols = constriction.stream.stack.AnsCoder(words).decode(model, codes.size) + first
+        assert np.array_equal(ans_decode(forged, codes.size)[0], (symbols.astype(np.uint8) ^ np.uint8(0x80)).view(np.int8))
 
 
 def test_a_malformed_block_is_refused_not_misread():
