@@ -17,12 +17,13 @@ A coded block is, little-endian::
     u32[span + 1] counts   how often each symbol occurs (the model; zero for unused ones)
     u32 nwords, u32[nwords] the ANS stream (none when only one symbol occurs)
 
-Most codes of a lossy delta are zero, and the coder's cost is per symbol, so a chunk's codes (format 7, :func:`encode_codes`) may be
-stored *sparse*: the gaps between nonzero codes, as deflate codes distances (a coded bit-length
-class and raw low bits: within 2% of the entropy of geometric gaps), then only those codes. Two
-coded symbols per nonzero code instead of one per code: per 1M codes with 2% nonzero, 3.1 ms to
-encode instead of 17 and 2.3 ms to decode instead of 29, 0.8% larger (measured here). Past
-15-20% nonzero the dense block is faster.
+Most codes of a lossy delta are zero, and the coder's cost is per symbol, so a chunk's codes
+(format 7, :func:`encode_codes`) may be stored *sparse*: the gaps between nonzero codes, as
+deflate codes distances (a coded bit-length class and raw low bits: within 2% of the entropy of
+geometric gaps), then only those codes. Two coded symbols per nonzero code instead of one per
+code: per 1M codes with 2% nonzero, 3.1 ms to encode instead of 17 and 2.3 ms to decode instead
+of 29, 0.8% larger (measured here with constriction's coder). Past 15-20% nonzero the dense
+block is faster.
 
 Dense codes of at least 2 bits of entropy, nearly all within [-7, 7] (a fine step: most
 elements move by a few steps), may be stored as *nibbles* instead (format 8): two codes a

@@ -430,15 +430,36 @@ def gaps(at, classes, extra):  # pragma: no cover (compiled)
 
 
 @njit(**_OPTIONS)
+def _cumulative(counts):  # pragma: no cover (compiled)
+    """The rANS model of a histogram (``n`` symbols) as constriction's ``Categorical(counts /
+    sum(counts), perfect=False)`` quantizes it: each symbol's left cumulative of 2^24,
+    ``int(cdf * ((2^24 - n) / sum(p))) + s`` by the same float64 operations in the same order,
+    and ``2^24`` after the last."""
+    n = counts.size
+    total = 0.0
+    for s in range(n):
+        total += counts[s]
+    norm = 0.0
+    for s in range(n):
+        norm += counts[s] / total
+    scale = float((1 << 24) - n) / norm
+    left = np.empty(n + 1, np.uint64)
+    cdf = 0.0
+    for s in range(n):
+        left[s] = np.uint64(np.uint32(cdf * scale) + s)
+        cdf += counts[s] / total
+    left[n] = np.uint64(1 << 24)
+    return left
+
+
+@njit(**_OPTIONS)
 def ans(codes, counts, words):  # pragma: no cover (compiled)
-    """``codes`` (int8) rANS-coded as ``constriction``'s ``AnsCoder().encode_reverse`` codes
-    their symbols (code + 128, less the smallest) under its ``Categorical(perfect=False)``
-    model of their histogram, to the word: the same float operations build the model (each
-    symbol's left cumulative ``int(cdf * (2^24 - n) / sum(p)) + i``), the same 64-bit state
-    and 32-bit words encode, the state's words (low, then high) end the stream. Fills
-    ``counts`` (256) with the histogram; returns (smallest symbol, largest symbol, words
-    written to ``words``: none when one symbol occurs). But here the GIL is released, so both
-    cores code."""
+    """``codes`` (int8) rANS-coded to the word as constriction's ``AnsCoder().encode_reverse``
+    codes their symbols (code + 128, less the smallest) under the model of their histogram
+    (:func:`_cumulative`): a 64-bit state, 32-bit words, the state's low and then high word
+    last. Fills ``counts`` (256) with the histogram; returns (smallest symbol, largest symbol,
+    words written to ``words``: none when one symbol occurs). The GIL is released: both cores
+    code."""
     counts[:] = 0
     for i in range(codes.size):
         counts[np.uint8(codes[i]) ^ np.uint8(0x80)] += 1
@@ -449,28 +470,12 @@ def ans(codes, counts, words):  # pragma: no cover (compiled)
         last -= 1
     if first == last:
         return first, last, 0
-    n = last - first + 1
-    total = 0.0
-    for s in range(n):
-        total += counts[first + s]
-    norm = 0.0
-    for s in range(n):
-        norm += counts[first + s] / total
-    scale = float((1 << 24) - n) / norm
-    left = np.empty(n, np.uint64)
-    prob = np.empty(n, np.uint64)
-    cdf = 0.0
-    for s in range(n):
-        left[s] = np.uint64(np.uint32(cdf * scale) + s)
-        cdf += counts[first + s] / total
-    for s in range(n - 1):
-        prob[s] = left[s + 1] - left[s]
-    prob[n - 1] = np.uint64(1 << 24) - left[n - 1]
+    left = _cumulative(counts[first: last + 1])
     state = np.uint64(0)
     m = 0
     for i in range(codes.size - 1, -1, -1):
         s = (np.uint8(codes[i]) ^ np.uint8(0x80)) - first
-        p = prob[s]
+        p = left[s + 1] - left[s]
         if (state >> np.uint64(40)) >= p:
             words[m] = np.uint32(state & np.uint64(0xFFFFFFFF))
             m += 1
@@ -500,23 +505,10 @@ def pack4(codes, packed):  # pragma: no cover (compiled)
 def unans(words, first, counts, codes):  # pragma: no cover (compiled)
     """The ``codes.size`` codes of an :func:`ans` stream ``words`` (its model from ``counts``,
     the histogram of symbols ``first`` on), into ``codes``, as constriction's
-    ``AnsCoder(words).decode`` takes them: the state from the last two words (high, low), each
-    symbol the one whose quantized interval holds the state's low 24 bits, a word read back
+    ``AnsCoder(words).decode`` takes them from any words: the state from the last two (high,
+    low), each symbol the one whose interval holds the state's low 24 bits, a word read back
     whenever the state falls below 2^32. The GIL is released: both cores decode."""
-    n = counts.size
-    total = 0.0
-    for s in range(n):
-        total += counts[s]
-    norm = 0.0
-    for s in range(n):
-        norm += counts[s] / total
-    scale = float((1 << 24) - n) / norm
-    left = np.empty(n + 1, np.uint64)
-    cdf = 0.0
-    for s in range(n):
-        left[s] = np.uint64(np.uint32(cdf * scale) + s)
-        cdf += counts[s] / total
-    left[n] = np.uint64(1 << 24)
+    left = _cumulative(counts)
     start = np.empty(4096, np.int64)  # the symbol at each multiple of 2^12: a search of a step or two
     s = 0
     for j in range(4096):
