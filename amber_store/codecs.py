@@ -865,15 +865,22 @@ class _CodedDelta(DeltaCodec):
     def decode_into(self, out: np.ndarray, raw: np.ndarray, padded: int, region: tuple[slice, ...],
                     entry: TensorEntry) -> None:
         side, codes, escaped, mask = self._parse(raw, padded, out.dtype)
-        codes = codes[: out.size]
+        codes, flat = codes[: out.size], out.reshape(-1)
         dtype = DTYPES[entry.dtype]
-        base = numpy_to_tensor(out.reshape(-1), entry.dtype).to(_compute_dtype(dtype))
-        value = to_bits(self._restore(base, torch.from_numpy(codes), side).to(dtype)).numpy().view(out.dtype)
-        value[mask[: out.size]] = escaped
-        out.reshape(-1)[...] = value
+        if _compute_dtype(dtype) == dtype:  # (float32, float64) in place, in one pass
+            self._restore_on_host(flat.view(np.float32 if dtype == torch.float32 else np.float64), codes, side)
+        else:
+            base = numpy_to_tensor(flat, entry.dtype).to(_compute_dtype(dtype))
+            flat[...] = to_bits(self._restore(base, torch.from_numpy(codes), side).to(dtype)).numpy().view(out.dtype)
+        flat[mask[: out.size]] = escaped
 
     def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None) -> torch.Tensor:
         """``base`` (compute dtype, flat, one chunk) moved by ``codes``; escaped elements arbitrary."""
+        raise NotImplementedError
+
+    def _restore_on_host(self, values: np.ndarray, codes: np.ndarray, side: np.ndarray | None) -> None:
+        """:meth:`_restore` in place, of values in their own compute dtype, by a kernel
+        (:mod:`amber_store.kernels`): the same bits in one pass instead of torch's several."""
         raise NotImplementedError
 
     def diff(self, value: torch.Tensor, base: torch.Tensor, chunks: tuple[int, ...],
@@ -1049,6 +1056,12 @@ class BlockDeltaCodec(_CodedDelta):
         scale = _pow2(torch.from_numpy(side), base.dtype).repeat_interleave(self.block)[: base.numel()]
         return base + codes.to(base.dtype) * scale
 
+    def _restore_on_host(self, values: np.ndarray, codes: np.ndarray, side: np.ndarray | None) -> None:
+        from . import kernels
+
+        assert side is not None
+        kernels.unblock(values, codes, side, self.block)
+
 
 @dataclass(frozen=True)
 class RatioDeltaCodec(_CodedDelta):
@@ -1140,6 +1153,11 @@ class RatioDeltaCodec(_CodedDelta):
             hi = min(lo + _PIECE, codes.numel())
             torch.index_select(factors, 0, index[: hi - lo].copy_(codes[lo:hi]).add_(128), out=out[lo:hi])
         return out.mul_(base)
+
+    def _restore_on_host(self, values: np.ndarray, codes: np.ndarray, side: np.ndarray | None) -> None:
+        from . import kernels
+
+        kernels.unratio(values, codes, self._factors(torch.from_numpy(values).dtype).numpy())
 
 
 @dataclass(frozen=True)

@@ -533,3 +533,23 @@ def unans(words, first, counts, codes):  # pragma: no cover (compiled)
         if state < np.uint64(1 << 32) and m:
             m -= 1
             state = (state << np.uint64(32)) | np.uint64(words[m])
+
+
+@njit(**_OPTIONS)
+def unblock(x, codes, side, block):  # pragma: no cover (compiled)
+    """A block delta restored in place: ``x`` (a chunk's base values, float32 or float64) plus
+    each code times its block's ``2^side``, by the writer's two IEEE operations (an exact
+    product, a rounded sum), code 0 included: it makes -0.0 +0.0, as for the writer."""
+    for j in range((x.size + block - 1) // block):
+        scale = x.dtype.type(math.ldexp(1.0, side[j]))  # (exact: side within +-126)
+        xs, cs = x[j * block: (j + 1) * block], codes[j * block: (j + 1) * block]
+        for k in range(xs.size):
+            xs[k] = xs[k] + x.dtype.type(cs[k]) * scale
+
+
+@njit(**_OPTIONS)
+def unratio(x, codes, factors):  # pragma: no cover (compiled)
+    """A ratio delta restored in place: ``x`` (a chunk's base values) times each code's factor
+    (``factors[code + 128]``, the writer's table), one rounded product as for the writer."""
+    for i in range(x.size):
+        x[i] = factors[codes[i] + 128] * x[i]
