@@ -638,6 +638,24 @@ def test_sparse_and_pack4_serializers_round_trip_their_own_encoded_form(codec, d
         assert len(encoded) == (arr.size + 1) // 2
 
 
+@pytest.mark.parametrize("codec", [amber.BlockDeltaCodec(step=0.05, block=64), amber.RatioDeltaCodec(step=0.02)],
+                         ids=["block", "ratio"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_readers_restore_in_one_kernel_pass_the_bits_the_torch_restore_gives(codec, dtype):
+    # float32/float64 chunks are restored in place by amber_store.kernels, others by torch:
+    # both must give the writer's bits (code 0 on -0.0, NaN and inf bases included).
+    g = torch.Generator().manual_seed(7)
+    base = (torch.rand(1000, generator=g) + 0.5).to(dtype)
+    base[:3] = torch.tensor([-0.0, float("nan"), float("inf")], dtype=dtype)
+    codes = torch.randint(-127, 128, (1000,), generator=g, dtype=torch.int8)
+    codes[:3] = 0
+    side = np.random.default_rng(7).integers(-30, 6, 16).astype(np.int8) if codec.encoding == "block" else None
+    expected = codec._restore(base.clone(), codes, side)
+    values = base.clone().numpy()
+    codec._restore_on_host(values, codes.numpy(), side)
+    assert_bit_equal(torch.from_numpy(values), expected)
+
+
 def test_quant4_codes_are_stored_as_code_plus_8_two_a_byte_low_nibble_first():
     assert pack4_encode(np.array([-7, 7, 0], np.int8)) == bytes([0xF1, 0x88])  # (an odd count pads code 0)
     assert np.array_equal(pack4_decode(np.array([0xF1, 0x88], np.uint8), (3,)), [-7, 7, 0])
