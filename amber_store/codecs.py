@@ -645,12 +645,12 @@ class SparseDeltaCodec(DeltaCodec):
             hi = min(lo + piece, bits.numel())
             at = keep(lo, hi, mask[: hi - lo]).nonzero().view(-1)
             kept = torch.index_select(bits[lo:hi], 0, at)  # (half the time of bits[lo:hi][at])
-            host_at, host_kept = at.to("cpu"), kept.to("cpu")
-            values.append(bits_to_numpy((kept ^ torch.index_select(base_bits[lo:hi], 0, at)).to("cpu")))
+            host_at, host_kept = to_host(at), to_host(kept)
+            values.append(bits_to_numpy(to_host(kept ^ torch.index_select(base_bits[lo:hi], 0, at))))
             recon[lo:hi].copy_(host_base[lo:hi]).index_copy_(0, host_at, host_kept)
             positions.append(host_at.add_(lo).numpy())
         if not positions:
-            return np.empty(0, np.int64), bits_to_numpy(bits[:0].to("cpu"))
+            return np.empty(0, np.int64), bits_to_numpy(to_host(bits[:0]))
         return np.concatenate(positions), np.concatenate(values)
 
 
@@ -894,7 +894,7 @@ class _CodedDelta(DeltaCodec):
         present = [side for _, side in sides if side is not None]
         if present:  # (a piece that did not move has no side codes: its chunks are not stored)
             rows = [side if side is not None else present[0].new_zeros(n, present[0].shape[1]) for n, side in sides]
-            side_codes = (rows[0] if len(rows) == 1 else torch.cat(rows)).to("cpu").numpy()
+            side_codes = to_host(rows[0] if len(rows) == 1 else torch.cat(rows)).numpy()
         return Delta(to_host(codes).numpy().reshape(tuple(value.shape)), to_host(bits).reshape(base.shape),
                      self.params(), side_codes, encoded=encoded)
 

@@ -110,6 +110,8 @@ def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[b
     without it). A row's layout is found and packed by kernels that release the GIL
     (:mod:`amber_store.kernels`: its nonzero codes, their gaps, the nibbles); what holds it is
     the rANS coder and a few numpy calls a row."""
+    from . import kernels
+
     n = rows.shape[1]
     layouts_ok = _LAYOUT_MIN_CODES <= n < 1 << 32
     out: list[bytes | None] = []
@@ -118,8 +120,6 @@ def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[b
         if layouts_ok:
             count = np.count_nonzero(row)
             if count <= _SPARSE_AT_MOST * n:
-                from . import kernels
-
                 at, kept = np.empty(count, np.int64), np.empty(count, np.int8)
                 kernels.nonzeros(row, at, kept)
                 out.append(_sparse(at, kept) if count else None)
