@@ -374,32 +374,37 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     import torch
 
     tensors: dict[str, torch.Tensor] = {}
-    # Tensors by address (data_ptr(): 0 for empty and meta tensors, which never alias); only
-    # tensors at the same address are compared in full. Per-tensor work here is most of
-    # save_async's stall for thousands of small tensors: keep it lean.
-    at: dict[int, list[tuple[torch.Tensor, str]]] = {}
+    # The key of the first tensor at each address (data_ptr(): 0 for empty and meta tensors,
+    # which never alias), and of any others there that are not the same tensor; only tensors at
+    # one address are compared in full. Per-tensor work here is most of save_async's stall for
+    # thousands of small tensors, and so is the garbage collection of what it allocates: no
+    # container per tensor but the tree's own.
+    first: dict[int, str] = {}
+    others: dict[int, list[str]] = {}
     dtypes = _torch_dtypes().by_dtype
-    strided = torch.strided
+    strided, Tensor, escape = torch.strided, torch.Tensor, escape_segment  # (locals: read per tensor)
 
     def where(path: str) -> str:  # a node's path in error messages
         return path or "<root>"
 
     def tensor(t: torch.Tensor, path: str) -> str:
         ptr = t.data_ptr()
-        if ptr:
-            for other, other_key in at.get(ptr, ()):
-                if _same_tensor(t, other):
+        there = first.get(ptr) if ptr else None
+        if there is not None:
+            for other_key in (there, *others.get(ptr, ())):
+                if _same_tensor(t, tensors[other_key]):
                     return other_key
-        key = path or "_"
-        if key in tensors:
-            raise UnsupportedStateError(f"two tensors map to the same key {key!r}")
         if t.dtype not in dtypes:
             dtype_name(t.dtype)  # raises, naming the supported dtypes
         if t.layout != strided:  # sparse, sparse CSR, mkldnn...
             raise UnsupportedStateError(f"{where(path)}: only strided (dense) tensors are supported")
-        tensors[key] = t
-        if ptr:
-            at.setdefault(ptr, []).append((t, key))
+        key = path or "_"
+        if tensors.setdefault(key, t) is not t:
+            raise UnsupportedStateError(f"two tensors map to the same key {key!r}")
+        if there is not None:
+            others.setdefault(ptr, []).append(key)
+        elif ptr:
+            first[ptr] = key
         return key
 
     def walk(obj: Any, path: str) -> dict[str, Any]:
@@ -416,10 +421,10 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             items = []
             for k, v in obj.items():
                 plain = isinstance(k, str) or type(k) is int
-                sub = prefix + (escape_segment(k) if plain else _key_segment(k))
+                sub = prefix + (escape(k) if plain else _key_segment(k))
                 # (walk's tensor case inline: ~20% of flatten for thousands of tensors)
                 items.append([k if plain else key(k, path),
-                              {"tensor": tensor(v, sub)} if isinstance(v, torch.Tensor) else walk(v, sub)])
+                              {"tensor": tensor(v, sub)} if isinstance(v, Tensor) else walk(v, sub)])
             if not isinstance(obj, OrderedDict):
                 return {"dict": items}
             # nn.Module.state_dict() is an OrderedDict whose _metadata (per-module versions)
@@ -473,7 +478,12 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             raise UnsupportedStateError(f"{where(path)}: dict key {k!r} holds a tensor")
         return walk(k, "")
 
-    return walk(state, ""), tensors
+    try:
+        return walk(state, ""), tensors
+    finally:
+        # walk refers to itself through its closure: left so, the cycle would keep every tensor
+        # of the state alive until the next garbage collection (and make it the gc's work)
+        walk = None  # noqa: F841
 
 
 def unflatten(tree: dict[str, Any], leaf: Callable[[str], Any], mapping: Callable[[Any], Any] = lambda d: d) -> Any:

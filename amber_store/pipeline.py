@@ -19,6 +19,7 @@ import functools
 import gc
 import itertools
 import math
+import operator
 import threading
 import time
 import weakref
@@ -720,10 +721,12 @@ class Snapshots:
             at, guess, copied = ahead
             wait([copied])
             if same and copied.exception() is None:
+                if len(guess) == len(values) and all(map(operator.is_, guess, values)):
+                    return extra, self._lend(buffers, values, guessed=True)  # the usual case: all guessed
                 done = set(i for i, t in zip(at, guess) if t is values[i])
                 rest = [i for i in range(len(values)) if i not in done]
                 buffers.speculate = len(done) >= len(rest)  # else the bookkeeping costs more than it saves
-                for helper in _copy_in_parallel([buffers.out[keys[i]] for i in rest], [values[i] for i in rest]):
+                for helper in _copy_in_parallel([buffers.ordered[i] for i in rest], [values[i] for i in rest]):
                     helper.result()
                 return extra, self._lend(buffers, values)
         if not same:
@@ -740,9 +743,11 @@ class Snapshots:
             getattr(torch, device.type).synchronize(device)  # the copies above were asynchronous
         return extra, self._lend(buffers, values)
 
-    def _lend(self, buffers: _Buffers, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _lend(self, buffers: _Buffers, values: list[torch.Tensor], guessed: bool = False) -> dict[str, torch.Tensor]:
         # Weak references: a state dropped by training must not be kept alive by its snapshot.
-        buffers.sources = [weakref.ref(v) for v in values] if buffers.speculate and not buffers.accelerators else None
+        # When every guess was right, the references held are to these very tensors already.
+        if not guessed:
+            buffers.sources = [weakref.ref(v) for v in values] if buffers.speculate and not buffers.accelerators else None
         with self._lock:
             self._lent[id(buffers.out)] = buffers
         return buffers.out
@@ -763,6 +768,7 @@ class Snapshots:
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != device:
                 buf = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=not (t.is_cpu or on_device))
             new.out[key] = buf
+            new.ordered.append(buf)
             if not t.is_cpu:
                 new.accelerators.add(t.device)
             # torch copies a tensor below its grain on one thread: those go to helper threads
@@ -779,6 +785,7 @@ class _Buffers:
     keys: list[str]
     layout: tuple[list, list, list]  # shapes, dtypes and devices of the tensors, in key order
     out: dict[str, torch.Tensor]
+    ordered: list[torch.Tensor] = field(default_factory=list)  # out's values, in key order
     small: list[torch.Tensor] = field(default_factory=list)  # buffers copied on helper threads
     small_at: list[int] = field(default_factory=list)  # their tensors' positions
     rest: list[torch.Tensor] = field(default_factory=list)
@@ -790,11 +797,15 @@ class _Buffers:
     def copy_ahead(self) -> tuple[list[int], list[torch.Tensor], Future[None]] | None:
         """Start copying the tensors copied in last that are still alive, on a helper thread;
         returns their places, them, and the copy's future."""
-        alive = [(i, t) for i, t in enumerate(ref() for ref in self.sources or ()) if t is not None]
-        if not alive:
+        guess = [ref() for ref in self.sources or ()]
+        if any(t is None for t in guess):  # a state of new tensors and kept ones (model and optimizer)
+            at = [i for i, t in enumerate(guess) if t is not None]
+            guess, buffers = [guess[i] for i in at], [self.ordered[i] for i in at]
+        else:  # the usual case, kept apart: this runs before the copy starts
+            at, buffers = list(range(len(guess))), self.ordered
+        if not guess:
             return None
-        at, guess = [i for i, _ in alive], [t for _, t in alive]
-        buffers, started = [self.out[self.keys[i]] for i in at], threading.Event()
+        started = threading.Event()
 
         def copy() -> None:
             started.set()

@@ -159,12 +159,14 @@ def test_tied_weights_are_stored_once_and_load_back_tied(make_store):
 
 def test_overlapping_views_that_are_not_the_same_tensor_are_each_stored(make_store):
     base = torch.arange(12.0)
-    state = {"all": base, "tail": base[4:], "same": base.view(12), "reshaped": base.view(3, 4)}
+    state = {"all": base, "tail": base[4:], "same": base.view(12), "reshaped": base.view(3, 4),
+             "reshaped again": base.view(3, 4)}
     store = make_store()
     store.save(1, state)
-    assert sorted(store.manifest(1).tensors) == ["all", "reshaped", "tail"]  # "same" is an alias of "all"
+    # "same" is an alias of "all", "reshaped again" of "reshaped" (the second tensor at that address)
+    assert sorted(store.manifest(1).tensors) == ["all", "reshaped", "tail"]
     got = store.load(1, lazy=False)
-    assert got["same"] is got["all"]
+    assert got["same"] is got["all"] and got["reshaped again"] is got["reshaped"]
     assert_tree_bit_equal(got, state)
 
 
