@@ -688,47 +688,53 @@ class Snapshots:
         shapes, dtypes, devices) is unchanged, else into new ones; returns what ``collect``
         returned first and the copies, lent until :meth:`give_back`.
 
-        While ``collect`` walks the state, the CPU tensors that the buffers last received are
-        copied again already, on a helper thread: a training loop hands over the same tensor
-        objects at every save (an optimizer's state; not ``model.state_dict()``, which makes
-        new detached ones each call), so the walk (Python) and the copy (memory) overlap. Each
-        guess is checked afterwards (the same object at the same place of an unchanged
-        layout), and the rest copied then; when most guesses were wrong, these buffers stop
-        guessing. Measured for 2,000 tensors of 25 KB: 1.2x the time
-        of a bare copy loop, the walk included, instead of 1.55x."""
+        While a helper thread runs ``collect``, this one copies again the CPU tensors that the
+        buffers last received: a training loop hands over the same tensor objects at every
+        save (an optimizer's state; not ``model.state_dict()``, which makes new detached ones
+        each call), so the walk (Python) and the copy (memory) overlap. Each guess is checked
+        afterwards (the same object at the same place of an unchanged layout), and the rest
+        copied then; when most guesses were wrong, these buffers stop guessing. Measured for
+        2,000 tensors of 25 KB: 1.0-1.2x the time of a bare copy loop, the walk included
+        (1.55x without guessing); right after a parallel torch op 1.2-1.4x (its OpenMP worker
+        spins on the other core for a few ms)."""
         with _gc_paused():
             return self._take(collect)
 
     def _take(self, collect: Callable[[], tuple[T, dict[str, torch.Tensor]]]) -> tuple[T, dict[str, torch.Tensor]]:
         with self._lock:
             buffers = self._free.pop() if self._free else None
-        ahead = buffers.copy_ahead() if buffers is not None else None
+        guesses = buffers.guesses() if buffers is not None else None
         try:
-            extra, tensors = collect()
+            if guesses is None:
+                extra, keys, values, layout = _walk(collect)
+            else:
+                # This thread copies, a helper walks: the copy is the longer part, and the
+                # thread that called is the one surely running (after a parallel torch op, an
+                # OpenMP worker spins on another core for ~9 ms: there a helper would copy
+                # 1.5x slower)
+                walking = _copiers().submit(_walk, collect)
+                at, guess, targets = guesses
+                try:
+                    _copy(targets, guess)
+                    copied = True
+                except RuntimeError:  # a guess that no longer fits its buffer: the walk tells the rest
+                    copied = False
+                extra, keys, values, layout = walking.result()
         except BaseException:
-            if ahead is not None:
-                wait([ahead[2]])
             if buffers is not None:
                 with self._lock:
                     self._free.append(buffers)
             raise
-        # Per-tensor Python work is most of the stall for many small tensors: the layout is
-        # compared as whole lists, and the per-tensor loop runs only when it changed.
-        keys, values = list(tensors), list(tensors.values())
-        layout = ([t.shape for t in values], [t.dtype for t in values], [t.device for t in values])
         same = buffers is not None and buffers.keys == keys and buffers.layout == layout
-        if ahead is not None:
-            at, guess, copied = ahead
-            wait([copied])
-            if same and copied.exception() is None:
-                if len(guess) == len(values) and all(map(operator.is_, guess, values)):
-                    return extra, self._lend(buffers, values, guessed=True)  # the usual case: all guessed
-                done = set(i for i, t in zip(at, guess) if t is values[i])
-                rest = [i for i in range(len(values)) if i not in done]
-                buffers.speculate = len(done) >= len(rest)  # else the bookkeeping costs more than it saves
-                for helper in _copy_in_parallel([buffers.ordered[i] for i in rest], [values[i] for i in rest]):
-                    helper.result()
-                return extra, self._lend(buffers, values)
+        if guesses is not None and same and copied:
+            if len(guess) == len(values) and all(map(operator.is_, guess, values)):
+                return extra, self._lend(buffers, values, guessed=True)  # the usual case: all guessed
+            done = set(i for i, t in zip(at, guess) if t is values[i])
+            rest = [i for i in range(len(values)) if i not in done]
+            buffers.speculate = len(done) >= len(rest)  # else the bookkeeping costs more than it saves
+            for helper in _copy_in_parallel([buffers.ordered[i] for i in rest], [values[i] for i in rest]):
+                helper.result()
+            return extra, self._lend(buffers, values)
         if not same:
             buffers = self._buffers(keys, values, layout, buffers.out if buffers is not None else {})
         # Batched calls: per-tensor dispatch dominated the copy of small tensors. Copies from an
@@ -794,28 +800,25 @@ class _Buffers:
     sources: list[weakref.ref[torch.Tensor]] | None = None  # the CPU tensors copied in last
     speculate: bool = True  # whether to copy them ahead: most were the same objects last time
 
-    def copy_ahead(self) -> tuple[list[int], list[torch.Tensor], Future[None]] | None:
-        """Start copying the tensors copied in last that are still alive, on a helper thread;
-        returns their places, them, and the copy's future."""
+    def guesses(self) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]] | None:
+        """The tensors copied in last that are still alive: their places, them, and their
+        buffers; None if there are none."""
         guess = [ref() for ref in self.sources or ()]
         if any(t is None for t in guess):  # a state of new tensors and kept ones (model and optimizer)
             at = [i for i, t in enumerate(guess) if t is not None]
-            guess, buffers = [guess[i] for i in at], [self.ordered[i] for i in at]
-        else:  # the usual case, kept apart: this runs before the copy starts
-            at, buffers = list(range(len(guess))), self.ordered
-        if not guess:
-            return None
-        started = threading.Event()
+            guess = [guess[i] for i in at]
+            return (at, guess, [self.ordered[i] for i in at]) if at else None
+        return (list(range(len(guess))), guess, self.ordered) if guess else None
 
-        def copy() -> None:
-            started.set()
-            _copy(buffers, guess)
 
-        copied = _copiers().submit(copy)
-        # Wait until the copier runs: once the walk holds the GIL, a thread asking for it waits
-        # out a switch interval (5 ms); the copy itself releases it.
-        started.wait()
-        return at, guess, copied
+def _walk(collect: Callable[[], tuple[T, dict[str, torch.Tensor]]]) -> tuple[T, list[str], list[torch.Tensor],
+                                                                             tuple[list, list, list]]:
+    """Run ``collect``; returns what it returned first, the keys and tensors it found and their
+    layout. Per-tensor Python work is most of the stall for many small tensors: the layout is
+    compared as whole lists, and the per-tensor loop runs only when it changed."""
+    extra, tensors = collect()
+    keys, values = list(tensors), list(tensors.values())
+    return extra, keys, values, ([t.shape for t in values], [t.dtype for t in values], [t.device for t in values])
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ checkpoints); loads of the
 full step, a depth-1 step and the deepest step against torch.load of the same state from the page
 cache. Footprint: allocated bytes on disk (``du --block-size=1``) and files per step against
 torch.save files of every step. Also the ``save_async`` stall against a bare copy into reused
-buffers, and the cost of ``durable=True`` (fsync before commit).
+buffers (idle, and right after a parallel torch op), and the cost of ``durable=True`` (fsync before commit).
 
     python benchmarks/layout.py                 # about 4 minutes on 2 cores
     python benchmarks/layout.py --params 10 --small 500 --repeats 3    # quick
@@ -161,19 +161,39 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
 
 def stall(state: dict[str, Any], samples: int, root: Path) -> dict[str, float]:
     """save_async's blocking time against a bare copy of the state into reused buffers, each
-    measured ``samples`` times, alternately."""
+    measured ``samples`` times, alternately (the order swapped every repeat): with the CPU idle
+    before each, and right after a parallel torch op, as when a training step ends (20 ms of
+    matmuls; torch's OpenMP workers then spin on the other cores for a few ms)."""
     flat = tensors(state)
     buffers = [torch.empty_like(t) for t in flat]
     store = amber.open(root / "stall", max_pending=2)
-    copies, stalls = [], []
-    for step in range(samples):
-        copies.append(timed(lambda: [b.copy_(t) for b, t in zip(buffers, flat)]))
-        stalls.append(timed(lambda: store.save_async(step, state)))
-        store.wait()
+    a = torch.randn(256, 256)
+
+    def training_op() -> None:
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            a @ a
+
+    out: dict[str, float] = {}
+    step = 0
+    for after_op in (False, True):
+        times: dict[str, list[float]] = {"bare copy": [], "save_async": []}
+        for r in range(samples):
+            for method in ("bare copy", "save_async") if r % 2 else ("save_async", "bare copy"):
+                if after_op:
+                    training_op()
+                if method == "bare copy":
+                    times[method].append(timed(lambda: [b.copy_(t) for b, t in zip(buffers, flat)]))
+                else:
+                    times[method].append(timed(lambda: store.save_async(step, state)))
+                    store.wait()
+                    step += 1
+        med = {k: statistics.median(v) for k, v in times.items()}
+        suffix = " after a parallel op" if after_op else ""
+        out |= {k + suffix: v for k, v in med.items()} | {"ratio" + suffix: med["save_async"] / med["bare copy"]}
     store.close()
     shutil.rmtree(root / "stall")
-    return {"bare copy": statistics.median(copies), "save_async": statistics.median(stalls),
-            "ratio": statistics.median(stalls) / statistics.median(copies)}
+    return out
 
 
 def policies(state: dict[str, Any], full_every: int, root: Path) -> dict[str, dict[str, float]]:
@@ -211,7 +231,7 @@ def main() -> None:
     p.add_argument("--full-every", type=int, default=10)
     p.add_argument("--policy-params", type=float, default=20, help="model size of the base-policy comparison")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--stall-samples", type=int, default=12,
+    p.add_argument("--stall-samples", type=int, default=30,
                    help="save_async stalls (and bare copies) measured per state; a few ms each, noisy")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -240,8 +260,10 @@ def main() -> None:
               f"deepest chain {f['deepest chain']} objects. Delta steps store "
               f"{r['delta_bytes_vs_xor']:.3f}x the bytes of `codec=\"xor\"`'s (format 5's default).")
         s = r["stall"]
-        print(f"save_async stall {s['save_async']:.3f} s vs bare copy {s['bare copy']:.3f} s "
-              f"(**{s['ratio']:.2f}x**; medians of {args.stall_samples}, alternating).\n")
+        print(f"save_async stall {s['save_async']:.4f} s vs bare copy {s['bare copy']:.4f} s "
+              f"(**{s['ratio']:.2f}x**); right after a parallel torch op {s['save_async after a parallel op']:.4f} s "
+              f"vs {s['bare copy after a parallel op']:.4f} s (**{s['ratio after a parallel op']:.2f}x**); medians of "
+              f"{args.stall_samples}, alternating.\n")
     print(f"## Base policies: one segment of {args.full_every} steps, GPT-like {args.policy_params:g}M params\n")
     chain_bytes = policy_run["chain"]["stored"]
     print(table(["base_policy", "stored MB", "vs chain", "objects read per tensor (deepest)",

@@ -271,7 +271,8 @@ Where amber-store loses:
   (`durable=False`: {gpt['ratios']['amber save delta (durable=False)']:.2f}x). Format 5's default, `codec="xor"` (zstd), takes
   {gpt['ratios'][XOR_SAVE]:.2f}x / {small['ratios'][XOR_SAVE]:.2f}x for delta steps
   {1 / gpt['delta_bytes_vs_xor']:.3f}x / {1 / small['delta_bytes_vs_xor']:.3f}x the size of the default's (depth-1 loads
-  {gpt['ratios'][XOR_LOAD]:.2f}x / {small['ratios'][XOR_LOAD]:.2f}x). `save_async` hides it: {gpt['stall']['ratio']:.2f}x / {small['stall']['ratio']:.2f}x a bare copy.
+  {gpt['ratios'][XOR_LOAD]:.2f}x / {small['ratios'][XOR_LOAD]:.2f}x). `save_async` hides it: {gpt['stall']['ratio']:.2f}x / {small['stall']['ratio']:.2f}x a bare copy
+  (right after a parallel torch op, as a training step ends: {gpt['stall']['ratio after a parallel op']:.2f}x / {small['stall']['ratio after a parallel op']:.2f}x).
 - **Load time.** `load(lazy=False)` of a full step takes {gpt['ratios']['amber load full']:.2f}x `torch.load` from the page
   cache, a depth-1 step {gpt['ratios']['amber load depth 1']:.2f}x, the deepest step of a `full_every=10` segment
   ({gpt['footprint']['deepest chain']} layers: the default `auto` bases diff lossless tensors against the full step) {gpt['ratios']['amber load deepest']:.2f}x (goal 3x):
