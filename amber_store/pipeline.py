@@ -222,6 +222,31 @@ class _Pending:
     nbytes: int
 
 
+class _Parts:
+    """Pack part buffers to fill again: a fresh one faults in its pages as it is written (for
+    2,000 tensors of 25 KB, ~15% of the time spent adding them). Keeps at most ``keep`` idle."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        with self._lock:
+            for i, part in enumerate(self._free):
+                if part.size == size:
+                    return self._free.pop(i)
+        return np.empty(size, np.uint8)
+
+    def give(self, part: np.ndarray, _: object = None) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(part)
+
+
+_PARTS = _Parts(keep=min(CODEC_THREADS, 6) + 2)  # parts compressing at once, the one filling (32 MiB of default parts)
+
+
 class _PackStream:
     """A step's small tensors one after the other (the pack array), compressed part by part
     as the parts fill, beside the encoding of the tensors that follow (one thread encodes them).
@@ -270,7 +295,7 @@ class _PackStream:
         done = 0
         while done < data.size:
             if self._part is None:
-                self._part, self._fill = np.empty(self.size, np.uint8), 0
+                self._part, self._fill = _PARTS.take(self.size), 0
                 self._part_widths, self._part_deltas = Counter(), Counter()
             n = min(data.size - done, self.size - self._fill)
             self._part[self._fill: self._fill + n] = data[done: done + n]
@@ -285,7 +310,9 @@ class _PackStream:
     def _submit(self, part: np.ndarray) -> None:
         typesize = _most(self._part_widths)
         kind = _compressed_as(self._part_deltas)
-        self._jobs.append(self._pool.submit(self._compression.compress, part, typesize, kind, True))
+        job = self._pool.submit(self._compression.compress, part, typesize, kind, True)
+        job.add_done_callback(functools.partial(_PARTS.give, self._part))  # compressed into new bytes
+        self._jobs.append(job)
         self._part = None
 
     def finish(self) -> tuple[int, list[list[bytes] | None]]:
