@@ -721,8 +721,8 @@ class Snapshots:
         each call), so the walk (Python) and the copy (memory) overlap. Each guess is checked
         afterwards (the same object at the same place of an unchanged layout), and the rest
         copied then; when most guesses were wrong, these buffers stop guessing. Measured for
-        2,000 tensors of 25 KB: 1.0-1.2x the time of a bare copy loop, the walk included
-        (1.55x without guessing); right after a parallel torch op 1.2-1.4x (its OpenMP worker
+        2,000 tensors of 25 KB: 1.0-1.3x the time of a bare copy loop, the walk included
+        (1.55x without guessing); right after a parallel torch op 1.2-1.5x (its OpenMP worker
         spins on the other core for a few ms)."""
         with _gc_paused():
             return self._take(collect)
