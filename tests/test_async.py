@@ -198,6 +198,26 @@ def test_a_snapshot_keeps_no_tensor_of_the_state_alive():
     assert_tree_bit_equal(take(snapshots, other), other)
 
 
+def test_a_state_dropped_after_its_snapshot_is_freed_without_waiting_for_the_garbage_collector():
+    import gc
+    import weakref
+
+    from amber_store import format as fmt
+    from amber_store.pipeline import Snapshots
+
+    snapshots = Snapshots()
+    live = {"model": state(3, 100), "step": 7}
+    gc.disable()  # a reference cycle would keep the tensors until a collection
+    try:
+        tree, snapshot = snapshots.take(lambda: fmt.flatten(live))  # the walk save_async runs
+        snapshots.give_back(snapshot)
+        watch = weakref.ref(live["model"]["t0"])
+        del live
+        assert watch() is None
+    finally:
+        gc.enable()
+
+
 def test_snapshots_of_parameters_record_no_autograd_history_on_any_thread():
     from amber_store.pipeline import Snapshots
 
