@@ -199,6 +199,7 @@ def test_a_snapshot_keeps_no_tensor_of_the_state_alive():
 
 
 def test_a_state_dropped_after_its_snapshot_is_freed_without_waiting_for_the_garbage_collector():
+    import functools
     import gc
     import weakref
 
@@ -209,7 +210,7 @@ def test_a_state_dropped_after_its_snapshot_is_freed_without_waiting_for_the_gar
     live = {"model": state(3, 100), "step": 7}
     gc.disable()  # a reference cycle would keep the tensors until a collection
     try:
-        tree, snapshot = snapshots.take(lambda: fmt.flatten(live))  # the walk save_async runs
+        tree, snapshot = snapshots.take(functools.partial(fmt.flatten, live))  # the walk save_async runs
         snapshots.give_back(snapshot)
         watch = weakref.ref(live["model"]["t0"])
         del live
