@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -186,6 +188,19 @@ def _to(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
     return t if device is None else t.to(device)
 
 
+_TRANSFER: ThreadPoolExecutor | None = None
+_TRANSFER_LOCK = threading.Lock()
+
+
+def _transfer_thread() -> ThreadPoolExecutor:
+    """One thread for copies to accelerators (they queue on one link; torch releases the GIL)."""
+    global _TRANSFER
+    with _TRANSFER_LOCK:
+        if _TRANSFER is None:
+            _TRANSFER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="amber-transfer")
+        return _TRANSFER
+
+
 class LazyStateDict(Mapping[Any, Any]):
     """A read-only mapping mirroring one saved dict; leaves are :class:`LazyTensor` or values."""
 
@@ -239,17 +254,25 @@ def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
     """Replace every :class:`LazyTensor` in a tree by its tensor; containers become plain."""
     leaves = list({id(lt): lt for lt in _lazy_leaves(obj)}.values())  # tied weights: read once
 
+    target = None if device is None else torch.device(device)
+    # An accelerator's copies run on a thread of their own, each as soon as its tensor is decoded:
+    # the link's transfers overlap the decoding of the rest instead of following all of it.
+    moving = target is not None and target.type != "cpu"
+
     async def read_all() -> list[torch.Tensor]:
         sem = asyncio.Semaphore(_MAX_CONCURRENT_TENSORS)
         session = ReadSession()
 
         async def one(lt: LazyTensor) -> torch.Tensor:
             async with sem:
-                return await lt._read(Ellipsis, session)
+                t = await lt._read(Ellipsis, session)
+            if moving:
+                t = await asyncio.get_running_loop().run_in_executor(_transfer_thread(), t.to, target)
+            return t
 
         return await gather(one(lt) for lt in leaves)
 
-    values = {id(lt): _to(t, device) for lt, t in zip(leaves, sync(read_all()))}
+    values = {id(lt): _to(t, target) for lt, t in zip(leaves, sync(read_all()))}
 
     def rebuild(o: Any) -> Any:
         if isinstance(o, LazyTensor):
