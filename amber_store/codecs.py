@@ -277,22 +277,16 @@ class XorDeltaCodec(LosslessDeltaCodec):
 
 _SIGNED_TORCH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-#: Bytes per piece of the diff codec's numpy passes: the several passes over one piece stay in
-#: the core's cache instead of streaming a whole chunk through memory each time.
-_BLOCK_BYTES = 256 << 10
+
+def _signed(a: np.ndarray) -> np.ndarray:
+    """``a``'s elements as flat signed ints of their width (a copy only if ``a`` is strided)."""
+    return a.reshape(-1).view(f"i{a.itemsize}")
 
 
-def _blocks(*arrays: np.ndarray) -> Iterator[tuple[np.ndarray, ...]]:
-    """Matching flat pieces of same-shaped ``arrays``, :data:`_BLOCK_BYTES` at a time; all at
-    once when they fit in one piece (a pack's small tensors come by the thousand: no per-piece
-    work for them) or are not all C-contiguous."""
-    if arrays[0].nbytes <= _BLOCK_BYTES or not all(a.flags.c_contiguous for a in arrays):
-        yield arrays
-        return
-    flat = [a.reshape(-1) for a in arrays]
-    step = max(1, _BLOCK_BYTES // arrays[0].itemsize)
-    for i in range(0, flat[0].size, step):
-        yield tuple(f[i: i + step] for f in flat)
+def _into(out: np.ndarray) -> np.ndarray:
+    if not out.flags.c_contiguous:
+        raise ValueError("a diff is written into a C-contiguous array")
+    return _signed(out)
 
 
 @dataclass(frozen=True)
@@ -320,13 +314,8 @@ class DiffDeltaCodec(LosslessDeltaCodec):
         return "bitshuffle" if cname == "lz4" else "shuffle"
 
     def encode_into(self, out: np.ndarray, value: np.ndarray, base: np.ndarray) -> None:
-        for out, value, base in _blocks(out, value, base):
-            np.subtract(value, base, out=out)  # unsigned: wraps modulo 2**width
-            high = scratch(out.nbytes, 1).view(out.dtype).reshape(out.shape)
-            np.left_shift(out, 1, out=high)
-            signed = out.view(f"i{out.itemsize}")
-            np.right_shift(signed, 8 * out.itemsize - 1, out=signed)  # 0 or all ones: the sign
-            np.bitwise_xor(out, high, out=out)
+        from . import kernels
+        kernels.zigzag_diff(_into(out), _signed(value), _signed(base), 64 - 8 * out.itemsize)
 
     def apply(self, stored: np.ndarray, base: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> np.ndarray:
         out = np.array(base, copy=True)
@@ -334,14 +323,8 @@ class DiffDeltaCodec(LosslessDeltaCodec):
         return out
 
     def apply_into(self, out: np.ndarray, stored: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> None:
-        for out, stored in _blocks(out, stored):
-            half = scratch(stored.nbytes, 1).view(stored.dtype).reshape(stored.shape)
-            sign = scratch(stored.nbytes, 2).view(stored.dtype).reshape(stored.shape)
-            np.right_shift(stored, 1, out=half)
-            np.bitwise_and(stored, 1, out=sign)
-            np.negative(sign, out=sign)
-            np.bitwise_xor(half, sign, out=half)
-            np.add(out, half, out=out)
+        from . import kernels
+        kernels.unzigzag_add(_into(out), _signed(stored), (1 << (8 * out.itemsize - 1)) - 1)
 
     def _delta(self, bits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         d = (bits - base).view(_SIGNED_TORCH[bits.element_size()])
