@@ -347,12 +347,13 @@ class StepWriter:
     ``put(key, parts)`` writes one object (its parts laid end to end, e.g.
     :func:`~amber_store.uri.put_object`). ``add`` each tensor, then ``finish``; ``close``
     always (it lets writes in flight settle). ``recycle(key, like)`` may hand back a free host
-    buffer for a tensor's new base bits. Past ``deadline`` (``time.monotonic()``), waiting for
+    buffer for a tensor's new base bits. ``chunk_bytes``: ``None`` picks by codec
+    (:data:`~amber_store.format.DEFAULT_CHUNK_BYTES`, lossy: ``LOSSY_CHUNK_BYTES``). Past ``deadline`` (``time.monotonic()``), waiting for
     writes raises :class:`TimeoutError` and ``close`` cancels the writes still in flight.
     """
 
     def __init__(self, put: Callable[[str, list[bytes]], Awaitable[None]], group: str, *,
-                 chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+                 chunk_bytes: int | None = None,
                  pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD, compression: Compression = Compression(),
                  pack_name: str = fmt.PACK_PREFIX, max_inflight_bytes: int = 1 << 30,
                  recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
@@ -369,7 +370,7 @@ class StepWriter:
         self._loop = sync(_running_loop())
         self._pool = codec_pool()
         self._out = Written()
-        self._pack = _PackStream(chunk_bytes, self._pool, compression)
+        self._pack = _PackStream(chunk_bytes or fmt.DEFAULT_CHUNK_BYTES, self._pool, compression)
         self._encoding: deque[_Pending] = deque()
         self._writes: dict[Future[None], int] = {}
         self._inflight = 0
@@ -395,13 +396,14 @@ class StepWriter:
         layout = base.entry if base is not None else layout if layout is not None and not layout.legacy else None
         nbytes = tensor.numel() * tensor.element_size()
         packed = layout.pack is not None if layout is not None else (nbytes < self._pack_threshold or not shape)
+        codec = codec or codec_named("lossless")
         if packed:
             chunks = tuple(max(1, s) for s in shape)
         elif layout is not None:
             chunks = tuple(layout.chunks)
         else:
-            chunks = fmt.choose_chunks(shape, tensor.element_size(), self._chunk_bytes)
-        codec = codec or codec_named("lossless")
+            target = self._chunk_bytes or (fmt.DEFAULT_CHUNK_BYTES if codec.lossless else fmt.LOSSY_CHUNK_BYTES)
+            chunks = fmt.choose_chunks(shape, tensor.element_size(), target)
         if base is not None:
             codec = codec.with_base(base.step, base.entry.array or "")
         self._order.append(key)

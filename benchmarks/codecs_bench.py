@@ -39,7 +39,7 @@ import amber_store as amber  # noqa: E402
 from amber_store.codecs import Compression, LosslessDeltaCodec, codec_pool  # noqa: E402
 from amber_store.demo import GPTConfig, Trainer  # noqa: E402
 from amber_store.export import flat_tensors  # noqa: E402
-from amber_store.format import bits_to_numpy, choose_chunks, chunk_runs, to_bits  # noqa: E402
+from amber_store.format import LOSSY_CHUNK_BYTES, bits_to_numpy, choose_chunks, chunk_runs, to_bits  # noqa: E402
 from amber_store.pipeline import _lossless_chunk, piece_chunks, submit_delta  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
 
@@ -56,7 +56,8 @@ def main() -> None:
     base = torch.randn(n // 1024, 1024, generator=g)
     value = base * (1 + 0.01 * torch.randn(base.shape, generator=g))
     base_bits = to_bits(base).clone()
-    chunks = choose_chunks(tuple(value.shape), 4)
+    # every codec at the lossy codecs' chunk size (a store gives lossless tensors 4 MiB chunks)
+    chunks = choose_chunks(tuple(value.shape), 4, LOSSY_CHUNK_BYTES)
     gb = value.numel() * 4 / 1e9
     out = torch.empty_like(value)
     runs = chunk_runs(tuple(value.shape), chunks)

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
-from amber_store.format import choose_chunks, to_bits  # noqa: E402
+from amber_store.format import LOSSY_CHUNK_BYTES, choose_chunks, to_bits  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
 from benchmarks.layout import gpt_state, nbytes, tensors  # noqa: E402
 
@@ -69,7 +69,8 @@ def codecs_on(device: torch.device, mb: int, repeats: int) -> dict[str, float]:
     host_bits = to_bits(base).clone()
     if device.type != "cpu":
         host_bits = host_bits.pin_memory()  # (a save keeps an accelerator's bases pinned: codecs.to_host)
-    chunks = choose_chunks(tuple(base.shape), 4)
+    # every codec at the lossy codecs' chunk size (a store gives lossless tensors 4 MiB chunks)
+    chunks = choose_chunks(tuple(base.shape), 4, LOSSY_CHUNK_BYTES)
     pinned = torch.empty(base.shape, pin_memory=device.type != "cpu")
     cases: dict[str, Callable[[], Any]] = {
         "copy to pinned host memory": lambda: pinned.copy_(value),
