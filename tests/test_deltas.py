@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import crc32c
@@ -121,6 +122,21 @@ def test_chunk_shape_keeps_trailing_dims_whole_and_targets_the_chunk_size():
     assert fmt.choose_chunks((10, 3, 1 << 20), 4, 1 << 20) == (1, 1, 1 << 18)
     assert fmt.choose_chunks((), 4, 1 << 20) == ()
     assert fmt.choose_chunks((0, 5), 4, 1 << 20) == (1, 5)
+
+
+@pytest.mark.parametrize("codec, chunk_bytes", [("lossless", fmt.DEFAULT_CHUNK_BYTES), ("xor", fmt.DEFAULT_CHUNK_BYTES),
+                                                 ("lossy", fmt.LOSSY_CHUNK_BYTES), ("quant8", fmt.LOSSY_CHUNK_BYTES)])
+def test_default_chunks_are_sized_by_the_tensors_codec_and_a_delta_keeps_its_bases(local_store, codec, chunk_bytes):
+    w = torch.randn(4096, 1024)  # 16 MiB
+    store = local_store(codec=codec)
+    for step in (1, 2):
+        store.save(step, {"w": w})
+        w[::7] *= 1.01
+        entry = store.manifest(step).tensors["w"]
+        assert math.prod(entry.chunks) * 4 == chunk_bytes, (step, entry.chunks)
+    local_store(codec=codec, chunk_bytes=1 << 16).save(3, {"w": w})  # a delta: its base's chunks still
+    assert store.manifest(3).tensors["w"].base is not None
+    assert store.manifest(3).tensors["w"].chunks == store.manifest(1).tensors["w"].chunks
 
 
 def test_chunks_hold_a_multiple_of_8_elements_so_full_steps_are_bit_shuffled(local_store):
