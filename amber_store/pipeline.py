@@ -348,7 +348,8 @@ class StepWriter:
     :func:`~amber_store.uri.put_object`). ``add`` each tensor, then ``finish``; ``close``
     always (it lets writes in flight settle). ``recycle(key, like)`` may hand back a free host
     buffer for a tensor's new base bits. ``chunk_bytes``: ``None`` picks by codec
-    (:data:`~amber_store.format.DEFAULT_CHUNK_BYTES`, lossy: ``LOSSY_CHUNK_BYTES``). Past ``deadline`` (``time.monotonic()``), waiting for
+    (:data:`~amber_store.format.DEFAULT_CHUNK_BYTES`, lossy: ``LOSSY_CHUNK_BYTES``; a pack's parts:
+    ``PACK_CHUNK_BYTES``). Past ``deadline`` (``time.monotonic()``), waiting for
     writes raises :class:`TimeoutError` and ``close`` cancels the writes still in flight.
     """
 
@@ -370,7 +371,7 @@ class StepWriter:
         self._loop = sync(_running_loop())
         self._pool = codec_pool()
         self._out = Written()
-        self._pack = _PackStream(chunk_bytes or fmt.DEFAULT_CHUNK_BYTES, self._pool, compression)
+        self._pack = _PackStream(chunk_bytes or fmt.PACK_CHUNK_BYTES, self._pool, compression)
         self._encoding: deque[_Pending] = deque()
         self._writes: dict[Future[None], int] = {}
         self._inflight = 0

@@ -88,8 +88,9 @@ class Store:
             ``log2(full_every) + 1`` objects. ``"chain"``: the previous step (smallest deltas;
             reads walk up to ``full_every`` objects).
         chunk_bytes: size of one chunk (the unit of lazy reads and of parallel compression).
-            ``None`` (default): 4 MiB for tensors with a lossless codec and for packs, 1 MiB
-            for lossy ones (a quantizer's scale is per chunk). A delta keeps its base's chunks.
+            ``None`` (default): 4 MiB for tensors with a lossless codec, 1 MiB for lossy ones
+            (a quantizer's scale is per chunk) and for a pack's parts. A delta keeps its base's
+            chunks.
         pack_threshold: tensors smaller than this (bytes) are packed into one object per step.
         compressor, compression_level: blosc compressor and its level: ``"auto"`` (default:
             lz4 for full steps and large tensors' lossless deltas, zstd for packs of small
