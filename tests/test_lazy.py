@@ -110,6 +110,18 @@ def test_materialize_returns_plain_containers_on_the_requested_device(make_store
     assert amber.materialize(store.load(1)["l"])[1] == 5
 
 
+def test_an_eager_load_onto_another_device_puts_every_tensor_there_keeping_ties(make_store):
+    # (meta: a device every build has, through the same transfer thread as an accelerator's copies)
+    w = torch.randn(64, 32)
+    state = {"a": w, "tied": w, "m": {"b": torch.arange(5)}, "l": [torch.ones(2, dtype=torch.bfloat16), 7]}
+    make_store().save(1, state)
+    out = make_store(mode="r").load(1, lazy=False, device="meta")
+    leaves = [out["a"], out["m"]["b"], out["l"][0]]
+    assert all(t.device.type == "meta" for t in leaves) and out["l"][1] == 7
+    assert [(t.shape, t.dtype) for t in leaves] == [(w.shape, w.dtype), ((5,), torch.int64), ((2,), torch.bfloat16)]
+    assert out["tied"] is out["a"]
+
+
 def test_a_lazy_optimizer_state_loads_into_an_optimizer_as_real_tensors(local_store):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
