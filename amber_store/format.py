@@ -45,12 +45,12 @@ STEPS_DIR = "steps"
 #: Chunk size of tensors with a lossless codec, unless a store names one.
 #: Every chunk costs a reader or writer a few calls that each take the GIL; on 16 cores, a
 #: whole-step load of a 606 MB state took 0.58x the time with 4 MiB chunks as with 1 MiB (0.45x
-#: with 16 MiB, which on 2 cores fault in more memory than they save).
+#: with 16 MiB chunks, which on 2 cores fault in more memory than they save).
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: Chunk size of tensors with a lossy codec: a quantizer's scale is per chunk.
 LOSSY_CHUNK_BYTES = 1 << 20
 #: Size of a pack's parts (its inner chunks), unless a store names a chunk size: 4 MiB parts
-#: made full saves of 2,000 small tensors 1.5-1.75x slower (delta saves 0.88x; measured).
+#: made full saves of 2,000 small tensors 1.2-1.75x slower (delta saves 0.88x; measured).
 PACK_CHUNK_BYTES = 1 << 20
 # Tensors smaller than this are packed together into one object per step.
 DEFAULT_PACK_THRESHOLD = 1 << 20
