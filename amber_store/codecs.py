@@ -1450,16 +1450,22 @@ def scratch(nbytes: int, slot: int = 0) -> np.ndarray:
 
 #: threads of :func:`codec_pool`: one per core
 CODEC_THREADS = os.cpu_count() or 2
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 _POOL_NAME = "amber-codec"
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """The process's one pool of threads named ``name``, made at first use with ``workers``
+    threads and shared by every store."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        return pool
 
 
 def codec_pool() -> ThreadPoolExecutor:
     """The threads that XOR, checksum, compress and decompress chunks (all release the GIL),
-    one per core, shared by every store of the process."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=CODEC_THREADS, thread_name_prefix=_POOL_NAME)
-        return _POOL
+    one per core."""
+    return shared_pool(_POOL_NAME, CODEC_THREADS)

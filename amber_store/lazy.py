@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from zarr.core.sync import sync
 
+from .codecs import shared_pool
 from .format import DTYPES, TensorEntry, numpy_to_tensor, round_up
 from .reader import ReadSession, gather
 
@@ -188,17 +188,9 @@ def _to(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
     return t if device is None else t.to(device)
 
 
-_TRANSFER: ThreadPoolExecutor | None = None
-_TRANSFER_LOCK = threading.Lock()
-
-
 def _transfer_thread() -> ThreadPoolExecutor:
     """One thread for copies to accelerators (they queue on one link; torch releases the GIL)."""
-    global _TRANSFER
-    with _TRANSFER_LOCK:
-        if _TRANSFER is None:
-            _TRANSFER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="amber-transfer")
-        return _TRANSFER
+    return shared_pool("amber-transfer", 1)
 
 
 class LazyStateDict(Mapping[Any, Any]):

@@ -35,7 +35,7 @@ from zarr.core.sync import sync
 
 from . import format as fmt
 from .codecs import (CODEC_THREADS, DELTA_ENCODINGS, Compression, Delta, DeltaCodec, DiffDeltaCodec, LosslessDeltaCodec,
-                     QuantizedDeltaCodec, codec_named, codec_pool, scratch, to_host)
+                     QuantizedDeltaCodec, codec_named, codec_pool, scratch, shared_pool, to_host)
 from .errors import AsyncSaveError
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, itemsize, to_bits
 
@@ -244,7 +244,7 @@ class _Parts:
                 self._free.append(part)
 
 
-_PARTS = _Parts(keep=min(CODEC_THREADS, 6) + 2)  # parts compressing at once, the one filling (32 MiB of default parts)
+_PARTS = _Parts(keep=min(CODEC_THREADS, 6) + 2)  # parts compressing at once, the one filling (8 MiB of default parts)
 
 
 class _PackStream:
@@ -869,8 +869,6 @@ def _gc_paused() -> Iterator[None]:
 
 _COPY_GRAIN = 32768  # torch's intra-op grain (elements): smaller copies run on one thread
 _COPY_BATCH = 64  # below this many small tensors, a helper thread costs more than it saves
-_COPIERS: ThreadPoolExecutor | None = None
-_COPIERS_LOCK = threading.Lock()
 
 
 def _copy_in_parallel(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[Future[None]]:
@@ -897,12 +895,7 @@ def _copy_in_parallel(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) 
 
 def _copiers() -> ThreadPoolExecutor:
     """The snapshot copies' own threads (not the codec pool, which a previous save may keep busy)."""
-    global _COPIERS
-    with _COPIERS_LOCK:
-        if _COPIERS is None:
-            _COPIERS = ThreadPoolExecutor(max_workers=max(2, torch.get_num_threads()),
-                                          thread_name_prefix="amber-snapshot")
-        return _COPIERS
+    return shared_pool("amber-snapshot", max(2, torch.get_num_threads()))
 
 
 def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
