@@ -264,7 +264,7 @@ def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
 
         return await gather(one(lt) for lt in leaves)
 
-    values = {id(lt): _to(t, target) for lt, t in zip(leaves, sync(read_all()))}
+    values = {id(lt): t for lt, t in zip(leaves, sync(read_all()))}  # (reads land on the CPU)
 
     def rebuild(o: Any) -> Any:
         if isinstance(o, LazyTensor):
