@@ -12,9 +12,11 @@ import functools
 import io
 import json
 import math
+import operator
 import pathlib
 import re
 from collections import OrderedDict
+from itertools import chain, repeat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NamedTuple
 
@@ -329,6 +331,8 @@ def step_group_metadata(step: int, created: float, arrays: dict[str, dict[str, A
 # --- state-dict tree ----------------------------------------------------------------------
 
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
+_PLAIN = {int, str, bool, type(None)}  # leaves stored as they are
+_DICT = {dict}
 # Leaf classes rebuilt by name: an allow-list, so that loading never imports or runs code.
 _PATHS = {cls.__name__: cls for cls in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath,
                                         pathlib.WindowsPath)}
@@ -371,7 +375,37 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype)
 
 
-def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+class _Dicts(NamedTuple):
+    """A dict of tensors or of plain leaves, or a dict of such dicts with str keys (an
+    optimizer's state, a module's ``_metadata``), as :func:`flatten` last found it at one path."""
+
+    keys: list[Any]
+    types: list[type] | None  # of the keys, unless all are str: 1 == True, yet they are different keys
+    inner: list[list[str]] | None  # the keys of its values, when they are dicts
+    tensors: bool  # whether the leaves are tensors (else int, str, bool or None)
+    leaves: list[Any]  # the tensors' addresses, or the plain leaves
+    leaf_types: list[Any]  # the tensors' dtypes, or the plain leaves' types
+    tensor_keys: list[str]
+    items: list[list[Any]]  # its node in the tree
+
+
+class FlattenMemo:
+    """What :func:`flatten` found last time in each dict of tensors or of plain leaves (or of
+    such dicts), by path.
+
+    A training loop hands over the same tensors in the same dicts at every save (an
+    optimizer's state; ``model.state_dict()`` makes new tensor objects, at the same addresses),
+    and for thousands of small tensors the walk's per-tensor work is most of ``save_async``'s
+    stall: with a memo, such a dict is checked in a few whole-list comparisons (keys, tensor
+    addresses and dtypes, or plain leaves and their types) and its node of the tree reused.
+    Holds no tensor.
+    """
+
+    def __init__(self) -> None:
+        self._dicts: dict[str, _Dicts | None] = {}  # None: it changed, remembered next time
+
+
+def flatten(state: Any, memo: FlattenMemo | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Split a nested state dict into a JSON tree and ``{tensor key: tensor}``.
 
     The tree keeps container types (dict, OrderedDict, list, tuple, set, frozenset), key order
@@ -379,6 +413,8 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     that alias one another (tied weights) are stored once: each of their nodes names the key of
     the first. numpy arrays of a dtype torch has are stored as tensors too (delta-coded); other
     numpy values go into the tree as ``.npy`` bytes, written and read without pickle.
+    ``memo``, kept by the caller from one call to the next, makes walking the same state again
+    cheaper (see :class:`FlattenMemo`); the result is the same.
     """
     import torch
 
@@ -397,6 +433,8 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return path or "<root>"
 
     def tensor(t: torch.Tensor, path: str) -> str:
+        if t.layout != strided:  # sparse, sparse CSR, mkldnn... (they have no data_ptr)
+            raise UnsupportedStateError(f"{where(path)}: only strided (dense) tensors are supported")
         ptr = t.data_ptr()
         there = first.get(ptr) if ptr else None
         if there is not None:
@@ -405,8 +443,6 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
                     return other_key
         if t.dtype not in dtypes:
             dtype_name(t.dtype)  # raises, naming the supported dtypes
-        if t.layout != strided:  # sparse, sparse CSR, mkldnn...
-            raise UnsupportedStateError(f"{where(path)}: only strided (dense) tensors are supported")
         key = path or "_"
         if tensors.setdefault(key, t) is not t:
             raise UnsupportedStateError(f"two tensors map to the same key {key!r}")
@@ -417,8 +453,7 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return key
 
     def walk(obj: Any, path: str) -> dict[str, Any]:
-        # exact scalar types first: an optimizer's param_groups hold one int leaf per parameter
-        kind = type(obj)
+        kind = type(obj)  # exact scalar types first: the most common leaves
         if kind is int or kind is str or kind is bool or obj is None:
             return {"value": obj}
         if kind is float:
@@ -427,13 +462,33 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             return {"tensor": tensor(obj, path)}
         prefix = path + "/" if path else ""
         if isinstance(obj, dict):
-            items = []
-            for k, v in obj.items():
-                plain = isinstance(k, str) or type(k) is int
-                sub = prefix + (escape(k) if plain else _key_segment(k))
-                # (walk's tensor case inline: ~20% of flatten for thousands of tensors)
-                items.append([k if plain else key(k, path),
-                              {"tensor": tensor(v, sub)} if isinstance(v, Tensor) else walk(v, sub)])
+            items = recall(obj, path) if last else None
+            if items is None:
+                items = []
+                # whether every value is a tensor under its own key, a plain leaf, or a dict the memo keeps
+                tensors_only = plains_only = dicts_only = memo is not None and len(obj) > 0
+                children = []
+                for k, v in obj.items():
+                    plain = isinstance(k, str) or type(k) is int
+                    # walk's commonest cases inline: tensors (~20% of flatten for thousands of
+                    # them) and plain leaves (a module's _metadata is a dict of them per module)
+                    if type(v) in _PLAIN:
+                        tensors_only, plains_only, dicts_only = False, plains_only and plain, False
+                        items.append([k if plain else key(k, path), {"value": v}])
+                        continue
+                    sub = prefix + (escape(k) if plain else _key_segment(k))
+                    if isinstance(v, Tensor):
+                        at = tensor(v, sub)
+                        tensors_only, plains_only, dicts_only = tensors_only and plain and at == sub, False, False
+                        items.append([k if plain else key(k, path), {"tensor": at}])
+                    else:
+                        items.append([k if plain else key(k, path), walk(v, sub)])
+                        child = kept.get(sub) if dicts_only and plain and type(v) is dict else None
+                        tensors_only = plains_only = False
+                        dicts_only = child is not None and child.inner is None and child.types is None
+                        children.append(child)
+                if (tensors_only or plains_only or dicts_only) and path not in kept:
+                    remember(obj, path, items, tensors_only, children if dicts_only else None)
             if not isinstance(obj, OrderedDict):
                 return {"dict": items}
             # nn.Module.state_dict() is an OrderedDict whose _metadata (per-module versions)
@@ -448,6 +503,8 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if isinstance(obj, (list, tuple, set, frozenset)):
             kind = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}[
                 next(c for c in (list, tuple, set, frozenset) if isinstance(obj, c))]
+            if set(map(type, obj)) <= _PLAIN:  # an optimizer's param_groups: one int per parameter
+                return {kind: [{"value": v} for v in obj]}
             return {kind: [walk(v, prefix + str(i)) for i, v in enumerate(obj)]}
         if isinstance(obj, np.ndarray):
             if obj.dtype.isnative and obj.dtype.name in ITEMSIZES:
@@ -479,6 +536,71 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         except ValueError as e:  # object arrays need pickle
             raise UnsupportedStateError(f"{where(path)}: cannot store a numpy array of dtype {array.dtype} ({e})") from e
 
+    last = memo._dicts if memo is not None else {}
+    kept: dict[str, _Dicts | None] = {}
+
+    def recall(obj: dict[Any, Any], path: str) -> list[list[Any]] | None:
+        """The node of a dict that the last walk found at ``path`` with the same keys (down to
+        the leaves) and the same plain leaves, or tensors at the same addresses with the same
+        dtypes, none at an address seen earlier in this walk: its tensors are entered as the
+        per-tensor walk would enter them (their keys depend on the path, ties on addresses, the
+        checks on dtypes); else None."""
+        m = last.get(path)
+        if m is None:
+            return None
+        leaves = gather(obj, m)
+        if leaves is not None and (enter(leaves, m) if m.tensors else
+                                   leaves == m.leaves and list(map(type, leaves)) == m.leaf_types):
+            kept[path] = m
+            return m.items
+        # not remembered this time: a state of new tensors at every save (clones, gathered
+        # full state dicts) pays for a memo it never uses only every other save
+        kept[path] = None
+        return None
+
+    def gather(obj: dict[Any, Any], m: _Dicts) -> list[Any] | None:
+        """The leaves of ``obj`` if it has ``m``'s keys down to them, else None."""
+        keys = list(obj)
+        if keys != m.keys or (m.types is not None and list(map(type, keys)) != m.types):
+            return None
+        if m.inner is None:
+            return list(obj.values())
+        values = list(obj.values())
+        if set(map(type, values)) != _DICT or list(map(list, values)) != m.inner:
+            return None
+        return list(chain.from_iterable(map(dict.values, values)))
+
+    def enter(values: list[Any], m: _Dicts) -> bool:
+        try:
+            if not (all(map(isinstance, values, repeat(Tensor))) and values[0].data_ptr() == m.leaves[0]
+                    and [t.data_ptr() for t in values] == m.leaves and [t.dtype for t in values] == m.leaf_types
+                    and first.keys().isdisjoint(m.leaves) and tensors.keys().isdisjoint(m.tensor_keys)):
+                return False
+        except RuntimeError:  # a tensor without storage: the per-tensor walk says why it is refused
+            return False
+        first.update(zip(m.leaves, m.tensor_keys))
+        tensors.update(zip(m.tensor_keys, values))
+        return True
+
+    def remember(obj: dict[Any, Any], path: str, items: list[list[Any]], of_tensors: bool,
+                 children: list[_Dicts] | None) -> None:
+        keys = list(obj)
+        types = None if all(type(k) is str for k in keys) else list(map(type, keys))
+        if children is not None:
+            if len(set(c.tensors for c in children)) == 1:
+                kept[path] = _Dicts(keys, types, [c.keys for c in children], children[0].tensors,
+                                    [x for c in children for x in c.leaves], [x for c in children for x in c.leaf_types],
+                                    [x for c in children for x in c.tensor_keys], items)
+            return
+        values = list(obj.values())
+        if not of_tensors:
+            kept[path] = _Dicts(keys, types, None, False, values, list(map(type, values)), [], items)
+            return
+        at = [node["tensor"] for _, node in items]
+        ptrs = [t.data_ptr() for t in values]
+        if all(map(operator.eq, map(first.get, ptrs), at)):  # each the first at its address (not empty)
+            kept[path] = _Dicts(keys, types, None, True, ptrs, [t.dtype for t in values], at, items)
+
     def key(k: Any, path: str) -> dict[str, Any]:
         def holds_tensor(o: Any) -> bool:
             return isinstance(o, torch.Tensor) or (isinstance(o, (tuple, frozenset)) and any(map(holds_tensor, o)))
@@ -488,7 +610,10 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return walk(k, "")
 
     try:
-        return walk(state, ""), tensors
+        tree = walk(state, "")
+        if memo is not None:
+            memo._dicts = kept
+        return tree, tensors
     finally:
         # walk refers to itself through its closure: left so, the cycle would keep every tensor
         # of the state alive until the next garbage collection (and make it the gc's work)

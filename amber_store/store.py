@@ -173,6 +173,7 @@ class Store:
         self._background = Background(max_pending)
         self._warned_backpressure = False
         self._snapshots = Snapshots(snapshot)
+        self._walked = fmt.FlattenMemo()  # the last state saved, as flatten found it
         sync(self._init_root())
 
     # --- opening ------------------------------------------------------------------------
@@ -267,7 +268,7 @@ class Store:
         self.wait()
         t0 = time.perf_counter()
         _check_step(step)
-        tree, tensors = fmt.flatten(state_dict)
+        tree, tensors = fmt.flatten(state_dict, self._walked)
         return self._save_now(step, tree, tensors, full, t0, _metrics(metrics))
 
     def save_async(self, step: int, state_dict: Any, *, full: bool | None = None,
@@ -302,7 +303,7 @@ class Store:
                 "the interval between them: save less often, raise max_pending (one more snapshot of host "
                 "memory each), or use faster storage. (Warned once per store.)", RuntimeWarning, stacklevel=2)
         try:
-            tree, snapshot = self._snapshots.take(lambda: fmt.flatten(state_dict))
+            tree, snapshot = self._snapshots.take(lambda: fmt.flatten(state_dict, self._walked))
         except BaseException:
             self._background.release()
             raise

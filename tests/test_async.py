@@ -210,8 +210,12 @@ def test_a_state_dropped_after_its_snapshot_is_freed_without_waiting_for_the_gar
     live = {"model": state(3, 100), "step": 7}
     gc.disable()  # a reference cycle would keep the tensors until a collection
     try:
-        tree, snapshot = snapshots.take(functools.partial(fmt.flatten, live))  # the walk save_async runs
-        snapshots.give_back(snapshot)
+        memo = fmt.FlattenMemo()  # kept, as a store keeps it
+        walk = functools.partial(fmt.flatten, live, memo)  # the walk save_async runs
+        for _ in range(2):  # the second recalls the first's
+            tree, snapshot = snapshots.take(walk)
+            snapshots.give_back(snapshot)
+        del walk
         watch = weakref.ref(live["model"]["t0"])
         del live
         assert watch() is None

@@ -110,7 +110,8 @@ def test_leaves_of_real_checkpoints_round_trip_as_the_same_types(make_store, laz
 def test_what_no_safe_format_can_hold_is_refused_before_anything_is_written(make_store):
     store = make_store()
     for bad, match in ((np.array([{}], dtype=object), "numpy array of dtype object"),
-                       ({torch.ones(1): 1}, "holds a tensor"), ({"fn": print}, "cannot store a builtin")):
+                       ({torch.ones(1): 1}, "holds a tensor"), ({"fn": print}, "cannot store a builtin"),
+                       (torch.ones(2).to_sparse(), "only strided")):
         with pytest.raises(amber.UnsupportedStateError, match=match):
             store.save(1, {"x": bad})
     assert store.steps() == []
@@ -168,6 +169,89 @@ def test_overlapping_views_that_are_not_the_same_tensor_are_each_stored(make_sto
     got = store.load(1, lazy=False)
     assert got["same"] is got["all"] and got["reshaped again"] is got["reshaped"]
     assert_tree_bit_equal(got, state)
+
+
+def walked(state, memo=None):
+    tree, tensors = amber.format.flatten(state, memo)
+    return tree, list(tensors), list(tensors.values())
+
+
+def test_walking_a_state_again_with_its_memo_finds_exactly_what_a_fresh_walk_finds():
+    g = torch.Generator().manual_seed(0)
+    params = {f"p{i}": torch.randn(4, generator=g) for i in range(6)}
+    optim = {i: {"exp_avg": torch.zeros(4), "step": torch.tensor(1.0)} for i in range(6)}
+    state = {"model": params, "optim": {"state": optim, "param_groups": [{"lr": 0.1, "params": list(range(6))}]}}
+    memo = amber.format.FlattenMemo()
+    first = walked(state, memo)
+
+    def same_as_fresh():
+        with_memo, fresh = walked(state, memo), walked(state)
+        assert with_memo[:2] == fresh[:2]
+        assert all(a is b for a, b in zip(with_memo[2], fresh[2])) and len(with_memo[2]) == len(fresh[2])
+        return with_memo
+
+    again = same_as_fresh()
+    # an unchanged dict of tensors is not walked tensor by tensor: its node is the last walk's
+    assert again[0]["dict"][0][1]["dict"] is first[0]["dict"][0][1]["dict"]
+    state["optim"]["param_groups"][0]["lr"] = 0.05  # a scheduler's step: the tensors' dicts are still recalled
+    assert same_as_fresh()[0]["dict"][0][1]["dict"] is first[0]["dict"][0][1]["dict"]
+    params["p1"] = torch.randn(4, generator=g)  # a new tensor object
+    same_as_fresh()
+    params["p9"] = torch.randn(4, generator=g)  # a new key
+    del params["p0"]
+    same_as_fresh()
+    a, b = optim[1]["exp_avg"], optim[1]["step"]
+    optim[1] = {1: a, 2: b}
+    same_as_fresh()
+    optim[1] = {True: a, 2: b}  # equal keys of another type (1 == True)
+    same_as_fresh()
+    params["p3"].data = params["p2"]  # the same object, now tied to another: stored once
+    tree, keys, _ = same_as_fresh()
+    assert "model/p3" not in keys
+    params["p2"].data = torch.randn(4, generator=g)  # and untied again: the first of the pair moved
+    tree, keys, _ = same_as_fresh()
+    assert {"model/p2", "model/p3"} <= set(keys)
+    last = same_as_fresh()
+    state["model"] = {k: v.detach() for k, v in params.items()}  # model.state_dict(): new tensors, same addresses
+    assert same_as_fresh()[0]["dict"][0][1]["dict"] is last[0]["dict"][0][1]["dict"]
+    state["model"]["p4"] = params["p4"].view(torch.int32)  # another dtype at the same address
+    same_as_fresh()
+    state["model"]["p4"] = params["p4"].view(torch.complex64)  # one that cannot be stored: refused as before
+    with pytest.raises(amber.UnsupportedStateError, match="complex64"):
+        walked(state, memo)
+    state["model"]["p4"] = 0.5  # not a tensor any more
+    same_as_fresh()
+
+
+def test_a_walk_memo_keeps_no_tensor_of_the_state_alive():
+    import weakref
+
+    memo = amber.format.FlattenMemo()
+    state = {"model": {"w": torch.randn(8)}}
+    amber.format.flatten(state, memo)
+    amber.format.flatten(state, memo)
+    watch = weakref.ref(state["model"]["w"])
+    del state
+    assert watch() is None
+
+
+def test_tensors_tied_and_untied_in_place_between_saves_load_back_as_saved(make_store):
+    g = torch.Generator().manual_seed(0)
+    params = {f"p{i}": torch.randn(64, generator=g) for i in range(4)}
+    store = make_store()
+    saved = {}
+    for step in range(1, 5):
+        if step == 2:
+            params["p1"].data = params["p0"]  # tied in place: the same objects at every save
+        if step == 3:
+            params["p0"].data = params["p0"] + 1  # its partner keeps the old storage
+        saved[step] = {k: v.clone() for k, v in params.items()}
+        store.save_async(step, {"model": params})
+        store.wait()
+    for step, state in saved.items():
+        assert_tree_bit_equal(store.load(step, lazy=False)["model"], state)
+    assert list(store.manifest(2).tensors) == ["model/p0", "model/p2", "model/p3"]
+    assert "model/p1" in store.manifest(3).tensors
 
 
 def test_keys_named_like_zarr_metadata_are_stored_as_tensors(make_store):
