@@ -186,7 +186,7 @@ def test_walking_a_state_again_with_its_memo_finds_exactly_what_a_fresh_walk_fin
 
     def same_as_fresh():
         with_memo, fresh = walked(state, memo), walked(state)
-        assert with_memo[:2] == fresh[:2]
+        assert json.dumps(with_memo[0]) == json.dumps(fresh[0]) and with_memo[1] == fresh[1]  # (1 == True, not in JSON)
         assert all(a is b for a, b in zip(with_memo[2], fresh[2])) and len(with_memo[2]) == len(fresh[2])
         return with_memo
 
@@ -220,6 +220,15 @@ def test_walking_a_state_again_with_its_memo_finds_exactly_what_a_fresh_walk_fin
     with pytest.raises(amber.UnsupportedStateError, match="complex64"):
         walked(state, memo)
     state["model"]["p4"] = 0.5  # not a tensor any more
+    same_as_fresh()
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    state["module"] = module.state_dict()  # an OrderedDict, and its _metadata a dict of plain dicts
+    same_as_fresh()
+    state["module"] = module.state_dict()
+    assert same_as_fresh()[0]["dict"][-1][1]["metadata"]["odict"] is walked(state, memo)[0]["dict"][-1][1]["metadata"]["odict"]
+    state["module"]._metadata["0"]["version"] = True  # equal to 1, yet another leaf
+    same_as_fresh()
+    state["module"]._metadata["0"]["version"] = 2
     same_as_fresh()
 
 
