@@ -11,7 +11,8 @@ checkpoints); loads of the
 full step, a depth-1 step and the deepest step against torch.load of the same state from the page
 cache. Footprint: allocated bytes on disk (``du --block-size=1``) and files per step against
 torch.save files of every step. Also the ``save_async`` stall against a bare copy into reused
-buffers (idle, and right after a parallel torch op), and the cost of ``durable=True`` (fsync before commit).
+buffers (idle, and right after a parallel torch op), for both and for a model of ``--blocks``
+small blocks with its AdamW state, and the cost of ``durable=True`` (fsync before commit).
 
     python benchmarks/layout.py                 # about 4 minutes on 2 cores
     python benchmarks/layout.py --params 10 --small 500 --repeats 3    # quick
@@ -64,6 +65,19 @@ def small_state(n: int, total_mb: float = 50, seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     numel = int(total_mb * 1e6 / 4 / n)
     return {"t": {str(i): torch.randn(numel, generator=g) for i in range(n)}}
+
+
+def module_states(blocks: int, seed: int = 0) -> Callable[[], dict[str, Any]]:
+    """A model of ``blocks`` small blocks (Linear 32x32 + LayerNorm: 4 parameters each) after an
+    AdamW step, as a training loop hands it over: ``model.state_dict()`` (new detached tensors
+    at every call) and ``optimizer.state_dict()`` made anew for each save."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32))
+                                  for _ in range(blocks)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    return lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:
@@ -159,12 +173,13 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
             "ratios": {k: med[k] / med["torch.save"] for k in times} | {k: med[k] / med["torch.load"] for k in loads}}
 
 
-def stall(state: dict[str, Any], samples: int, root: Path) -> dict[str, float]:
-    """save_async's blocking time against a bare copy of the state into reused buffers, each
-    measured ``samples`` times, alternately (the order swapped every repeat): with the CPU idle
-    before each, and right after a parallel torch op, as when a training step ends (20 ms of
-    matmuls; torch's OpenMP workers then spin on the other cores for a few ms)."""
-    flat = tensors(state)
+def stall(make: Callable[[], dict[str, Any]], samples: int, root: Path) -> dict[str, float]:
+    """save_async's blocking time for the state ``make()`` returns (made before the clock
+    starts) against a bare copy of its tensors into reused buffers, each measured ``samples``
+    times, alternately (the order swapped every repeat): with the CPU idle before each, and
+    right after a parallel torch op, as when a training step ends (20 ms of matmuls; torch's
+    OpenMP workers then spin on the other cores for a few ms)."""
+    flat = tensors(make())
     buffers = [torch.empty_like(t) for t in flat]
     store = amber.open(root / "stall", max_pending=2)
     a = torch.randn(256, 256)
@@ -180,6 +195,7 @@ def stall(state: dict[str, Any], samples: int, root: Path) -> dict[str, float]:
         times: dict[str, list[float]] = {"bare copy": [], "save_async": []}
         for r in range(samples):
             for method in ("bare copy", "save_async") if r % 2 else ("save_async", "bare copy"):
+                state = make()
                 if after_op:
                     training_op()
                 if method == "bare copy":
@@ -228,6 +244,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=50, help="GPT-like model size, millions of parameters")
     p.add_argument("--small", type=int, default=2000, help="number of small tensors (50 MB in all)")
+    p.add_argument("--blocks", type=int, default=500, help="blocks of the many-parameter model (stall only)")
     p.add_argument("--full-every", type=int, default=10)
     p.add_argument("--policy-params", type=float, default=20, help="model size of the base-policy comparison")
     p.add_argument("--repeats", type=int, default=3)
@@ -240,7 +257,9 @@ def main() -> None:
         results = {}
         for name, state in (("gpt", gpt_state(args.params)), ("small", small_state(args.small))):
             results[name] = bench(name, state, args.full_every, args.repeats, root)
-            results[name]["stall"] = stall(state, args.stall_samples, root)
+            results[name]["stall"] = stall(lambda: state, args.stall_samples, root)
+        make = module_states(args.blocks)
+        modules = {"blocks": args.blocks, "tensors": len(tensors(make())), "stall": stall(make, args.stall_samples, root)}
         policy_run = policies(gpt_state(args.policy_params), args.full_every, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -264,6 +283,12 @@ def main() -> None:
               f"(**{s['ratio']:.2f}x**); right after a parallel torch op {s['save_async after a parallel op']:.4f} s "
               f"vs {s['bare copy after a parallel op']:.4f} s (**{s['ratio after a parallel op']:.2f}x**); medians of "
               f"{args.stall_samples}, alternating.\n")
+    s = modules["stall"]
+    print(f"## A model of {args.blocks} small blocks and its AdamW state: {modules['tensors']} tensors\n\n"
+          f"`model.state_dict()` and `optimizer.state_dict()` made anew for each save, as a training loop hands them "
+          f"over. save_async stall {s['save_async']:.4f} s vs bare copy {s['bare copy']:.4f} s (**{s['ratio']:.2f}x**); "
+          f"right after a parallel torch op {s['save_async after a parallel op']:.4f} s vs "
+          f"{s['bare copy after a parallel op']:.4f} s (**{s['ratio after a parallel op']:.2f}x**).\n")
     print(f"## Base policies: one segment of {args.full_every} steps, GPT-like {args.policy_params:g}M params\n")
     chain_bytes = policy_run["chain"]["stored"]
     print(table(["base_policy", "stored MB", "vs chain", "objects read per tensor (deepest)",
@@ -272,7 +297,7 @@ def main() -> None:
                   f"{r['load_s']:.3f}", f"{r['load_vs_torch_load']:.2f}x"] for p, r in policy_run.items()]))
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": None}, "results": results,
-                                         "policies": policy_run}, indent=1))
+                                         "modules": modules, "policies": policy_run}, indent=1))
 
 
 if __name__ == "__main__":

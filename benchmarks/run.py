@@ -216,7 +216,8 @@ def main() -> None:
     seeds_md, seeds = run("resume_seeds", *(["--steps", "100", "--resume-steps", "60", "--width", "128", "--layers", "2",
                                          "--seeds", "2"] if args.quick else ["--seeds", "3"]))
     sweep_md, sweep = run("sweep", "--sizes", *(["5", "12"] if args.quick else ["5", "12", "25", "50", "100"]))
-    layout_md, layout = run("layout", *(["--params", "10", "--small", "500", "--policy-params", "5", "--repeats", "2"]
+    layout_md, layout = run("layout", *(["--params", "10", "--small", "500", "--blocks", "100", "--policy-params", "5",
+                                         "--repeats", "2"]
                                         if args.quick else ["--repeats", "2"]))
     device_md = device_report()
     policies_md, policies = run("policies", *(["--checkpoints", "20", "--repeats", "3"] if args.quick else []))
@@ -233,7 +234,7 @@ def main() -> None:
               if pt["interval"] == every and abs(pt.get("loss_change_pct", 99)) <= GOALS["fidelity_pct"]]
     best = max(within, key=lambda pt: pt["ratio"], default=preset)
     noise = max(abs(x) for x in lossy_data["noise_floor_pct"])
-    gpt, small = layout["results"]["gpt"], layout["results"]["small"]
+    gpt, small, mods = layout["results"]["gpt"], layout["results"]["small"], layout["modules"]
     memcpy = codecs["gbps"]["copy (clone, memcpy)"]
     encode = {k: v / memcpy for k, v in codecs["gbps"].items() if not k.startswith(("copy", "diff", "xor"))}
     slowest, fastest = min(encode, key=encode.get), max(encode, key=encode.get)
@@ -272,7 +273,10 @@ Where amber-store loses:
   {gpt['ratios'][XOR_SAVE]:.2f}x / {small['ratios'][XOR_SAVE]:.2f}x for delta steps
   {1 / gpt['delta_bytes_vs_xor']:.3f}x / {1 / small['delta_bytes_vs_xor']:.3f}x the size of the default's (depth-1 loads
   {gpt['ratios'][XOR_LOAD]:.2f}x / {small['ratios'][XOR_LOAD]:.2f}x). `save_async` hides it: {gpt['stall']['ratio']:.2f}x / {small['stall']['ratio']:.2f}x a bare copy
-  (right after a parallel torch op, as a training step ends: {gpt['stall']['ratio after a parallel op']:.2f}x / {small['stall']['ratio after a parallel op']:.2f}x).
+  (right after a parallel torch op, as a training step ends: {gpt['stall']['ratio after a parallel op']:.2f}x / {small['stall']['ratio after a parallel op']:.2f}x);
+  for a model of {mods['blocks']} small blocks and its AdamW state ({mods['tensors']} tensors of ~1 KB, `model.state_dict()` and
+  `optimizer.state_dict()` made anew for each save) {mods['stall']['ratio']:.2f}x ({mods['stall']['ratio after a parallel op']:.2f}x after the op):
+  per-tensor Python work, the walk's checks and the copy's dispatch, is most of it there.
 - **Load time.** `load(lazy=False)` of a full step takes {gpt['ratios']['amber load full']:.2f}x `torch.load` from the page
   cache, a depth-1 step {gpt['ratios']['amber load depth 1']:.2f}x, the deepest step of a `full_every=10` segment
   ({gpt['footprint']['deepest chain']} layers: the default `auto` bases diff lossless tensors against the full step) {gpt['ratios']['amber load deepest']:.2f}x (goal 3x):
