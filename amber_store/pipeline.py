@@ -721,15 +721,17 @@ class Snapshots:
         While a helper thread runs ``collect``, this one copies again the CPU tensors that the
         buffers last received: a training loop hands over the same tensor objects at every
         save (an optimizer's state; not ``model.state_dict()``, which makes new detached ones
-        each call), so the walk (Python) and the copy (memory) overlap. Each guess is checked
-        afterwards (the same object at the same place of an unchanged layout), and the rest
-        copied then; when most guesses were wrong, these buffers stop guessing. A store's walk
-        keeps a :class:`~amber_store.format.FlattenMemo`, which makes it a few whole-list
-        checks per dict of tensors. Measured for 2,000 tensors of 25 KB (alternately, medians):
-        1.0-1.1x the time of a bare copy loop, the walk included, also right after a parallel
-        torch op (its OpenMP worker spins on the other core for a few ms); for the 8,000 tiny
-        tensors of a 2,000-parameter model and its AdamW state, 1.5-2.2x (per-tensor Python
-        work, ~3 us a tensor, against ~1.6 us for copying one)."""
+        each call), so the walk (Python) and the copy (memory) overlap, and the helper copies
+        the rest of them from the other end once it has walked (:class:`_SharedCopy`). Each
+        guess is checked afterwards (the same object at the same place of an unchanged
+        layout), and the rest copied then; when most guesses were wrong, these buffers stop
+        guessing. A store's walk keeps a :class:`~amber_store.format.FlattenMemo`, which makes
+        it a few whole-list checks per dict of tensors. Measured for 2,000 tensors of 25 KB
+        (alternately, medians): 0.8-0.9x the time of a bare copy loop, the walk included;
+        1.0-1.1x right after a parallel torch op (its OpenMP worker spins on the other core for
+        a few ms); for the 8,000 tiny tensors of a 2,000-parameter model and its AdamW state,
+        1.6-1.8x (per-tensor Python work: the walk's checks, ~1 us a tensor, and a copy's
+        dispatch, ~1.5 us)."""
         with _gc_paused():
             return self._take(collect)
 
@@ -741,18 +743,16 @@ class Snapshots:
             if guesses is None:
                 extra, keys, values, layout = _walk(collect)
             else:
-                # This thread copies, a helper walks: the copy is the longer part, and the
-                # thread that called is the one surely running (after a parallel torch op, an
-                # OpenMP worker spins on another core for ~9 ms: there a helper would copy
-                # 1.5x slower)
-                walking = _copiers().submit(_walk, collect)
+                # This thread copies, a helper walks and then copies too, from the other end:
+                # the thread that called is the one surely running (after a parallel torch op,
+                # an OpenMP worker spins on another core for ~9 ms, slowing a helper there)
                 at, guess, targets = guesses
-                try:
-                    _copy(targets, guess)
-                    copied = True
-                except RuntimeError:  # a guess that no longer fits its buffer: the walk tells the rest
-                    copied = False
+                shared = _SharedCopy(targets, guess, buffers.pace)
+                walking = _copiers().submit(_walk_then_copy, collect, shared)
+                shared.front()
                 extra, keys, values, layout = walking.result()
+                copied = not shared.failed
+                buffers.pace = shared.pace()
         except BaseException:
             if buffers is not None:
                 with self._lock:
@@ -835,6 +835,7 @@ class _Buffers:
     accelerators: set[torch.device] = field(default_factory=set)
     sources: list[weakref.ref[torch.Tensor]] | None = None  # the CPU tensors copied in last
     speculate: bool = True  # whether to copy them ahead: most were the same objects last time
+    pace: tuple[float, float] | None = None  # the last walk's seconds, and the copy's per guessed tensor
 
     def guesses(self) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]] | None:
         """The tensors copied in last that are still alive: their places, them, and their
@@ -855,6 +856,75 @@ def _walk(collect: Callable[[], tuple[T, dict[str, torch.Tensor]]]) -> tuple[T, 
     extra, tensors = collect()
     keys, values = list(tensors), list(tensors.values())
     return extra, keys, values, ([t.shape for t in values], [t.dtype for t in values], [t.device for t in values])
+
+
+def _walk_then_copy(collect: Callable[[], tuple[T, dict[str, torch.Tensor]]],
+                    shared: _SharedCopy) -> tuple[T, list[str], list[torch.Tensor], tuple[list, list, list]]:
+    start = time.perf_counter()
+    walked = _walk(collect)
+    shared.walked(time.perf_counter() - start)
+    shared.back()
+    return walked
+
+
+class _SharedCopy:
+    """Copies of ``tensors`` into ``buffers`` by two threads: the calling one from the front, a
+    helper from the back once its walk is done, in parts, until they meet.
+
+    The calling thread's first part is as much as it can copy while the other walks and then
+    half of the rest, by the last snapshot's pace (``(walk s, copy s per tensor)``; without
+    one, all). Parts are copied with the GIL released, and a thread asks for it back only
+    between parts: one that asked while the other walks would wait out the interpreter's
+    switch interval (5 ms), hence few parts, the first one long.
+    """
+
+    def __init__(self, buffers: list[torch.Tensor], tensors: list[torch.Tensor],
+                 pace: tuple[float, float] | None) -> None:
+        self.buffers, self.tensors = buffers, tensors
+        n = len(tensors)
+        self.first = n if pace is None else min(n, int((n + pace[0] / max(pace[1], 1e-9)) / 2) + 1)
+        self.part = max(_COPY_BATCH, n // 8)
+        self.lo, self.hi = 0, n
+        self.failed = False  # a tensor that no longer fits its buffer: the walk tells the rest
+        self._walk_s: float | None = None
+        self._each: float | None = None  # seconds per tensor of the first part
+        self._lock = threading.Lock()
+
+    def walked(self, seconds: float) -> None:
+        self._walk_s = seconds
+
+    def pace(self) -> tuple[float, float] | None:
+        """This time's pace, once both threads are done."""
+        return None if self._walk_s is None or self._each is None else (self._walk_s, self._each)
+
+    def _copy(self, lo: int, hi: int) -> None:
+        try:
+            _copy(self.buffers[lo:hi], self.tensors[lo:hi])
+        except RuntimeError:
+            self.failed = True
+
+    def front(self) -> None:
+        size = self.first
+        while True:
+            with self._lock:
+                lo = self.lo
+                self.lo = hi = min(self.hi, lo + size)
+            if lo >= hi:
+                return
+            start = time.perf_counter()
+            self._copy(lo, hi)
+            if self._each is None:
+                self._each = (time.perf_counter() - start) / (hi - lo)
+            size = self.part
+
+    def back(self) -> None:
+        while True:
+            with self._lock:
+                hi = self.hi
+                self.hi = lo = max(self.lo, hi - self.part)
+            if lo >= hi:
+                return
+            self._copy(lo, hi)
 
 
 @contextlib.contextmanager

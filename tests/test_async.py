@@ -119,7 +119,9 @@ def test_a_snapshot_holds_exactly_what_the_walk_found_whatever_was_copied_ahead(
 
     snapshots = Snapshots()
     live = {f"t{i}": torch.randn(400, 400) for i in range(40)}
-    snapshots.give_back(take(snapshots, live))  # the next snapshot copies these ahead of the walk
+    for _ in range(2):  # the next snapshot copies these ahead of the walk, on two threads at the pace of the 2nd
+        snapshots.give_back(take(snapshots, live))
+    assert snapshots._free[0].pace is not None
     before = live  # alive, so copied ahead: the wrong guess when the state holds new objects
     live = {k: t + 1 for k, t in before.items()} if change == "new objects" else live
     if change == "some new objects":  # a model's state_dict() (new tensors) beside an optimizer's (kept)
@@ -133,7 +135,8 @@ def test_a_snapshot_holds_exactly_what_the_walk_found_whatever_was_copied_ahead(
         live["t40"] = torch.randn(5)
     elif change == "one less":
         del live["t39"]
-    live["t0"].add_(1)
+    for t in (live["t0"], live[list(live)[-1]]):  # the first and last: copied by one thread and the other
+        t.add_(1)
     assert_tree_bit_equal(take(snapshots, live), live)
 
 
@@ -228,13 +231,14 @@ def test_snapshots_of_parameters_record_no_autograd_history_on_any_thread():
 
     params = {f"p{i}": torch.nn.Parameter(torch.randn(16)) for i in range(300)}  # helper threads copy these
     snapshots = Snapshots()
-    for _ in range(2):  # the second is copied ahead of the walk
+    for _ in range(3):  # the second is copied ahead of the walk, the third by two threads at the second's pace
         taken = take(snapshots, params)
         assert_tree_bit_equal(taken, {k: p.detach() for k, p in params.items()})
         assert not any(t.requires_grad or t.grad_fn is not None for t in taken.values())
         snapshots.give_back(taken)
         with torch.no_grad():
             params["p0"].add_(1)
+            params["p299"].add_(1)
 
 
 @pytest.mark.parametrize("max_pending", [1, 2])
