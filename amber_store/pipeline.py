@@ -749,7 +749,10 @@ class Snapshots:
                 at, guess, targets = guesses
                 shared = _SharedCopy(targets, guess, buffers.pace)
                 walking = _copiers().submit(_walk_then_copy, collect, shared)
-                shared.front()
+                try:
+                    shared.front()
+                finally:
+                    wait([walking])  # it copies into these buffers too: never free them while it runs
                 extra, keys, values, layout = walking.result()
                 copied = not shared.failed
                 buffers.pace = shared.pace()
