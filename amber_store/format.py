@@ -332,7 +332,6 @@ def step_group_metadata(step: int, created: float, arrays: dict[str, dict[str, A
 
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]")
 _PLAIN = {int, str, bool, type(None)}  # leaves stored as they are
-_DICT = {dict}
 # Leaf classes rebuilt by name: an allow-list, so that loading never imports or runs code.
 _PATHS = {cls.__name__: cls for cls in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath,
                                         pathlib.WindowsPath)}
@@ -454,7 +453,7 @@ def flatten(state: Any, memo: FlattenMemo | None = None) -> tuple[dict[str, Any]
 
     def walk(obj: Any, path: str) -> dict[str, Any]:
         kind = type(obj)  # exact scalar types first: the most common leaves
-        if kind is int or kind is str or kind is bool or obj is None:
+        if kind in _PLAIN:
             return {"value": obj}
         if kind is float:
             return {"float": obj.hex()}
@@ -566,7 +565,7 @@ def flatten(state: Any, memo: FlattenMemo | None = None) -> tuple[dict[str, Any]
         if m.inner is None:
             return list(obj.values())
         values = list(obj.values())
-        if set(map(type, values)) != _DICT or list(map(list, values)) != m.inner:
+        if set(map(type, values)) != {dict} or list(map(list, values)) != m.inner:
             return None
         return list(chain.from_iterable(map(dict.values, values)))
 

@@ -748,7 +748,7 @@ class Snapshots:
                 # an OpenMP worker spins on another core for ~9 ms, slowing a helper there)
                 at, guess, targets = guesses
                 shared = _SharedCopy(targets, guess, buffers.pace)
-                walking = _copiers().submit(_walk_then_copy, collect, shared)
+                walking = _copiers().submit(shared.walk_then_copy, collect)
                 try:
                     shared.front()
                 finally:
@@ -766,11 +766,9 @@ class Snapshots:
             if len(guess) == len(values) and all(map(operator.is_, guess, values)):
                 return extra, self._lend(buffers, values, guessed=True)  # the usual case: all guessed
             # (whole-list operations: a Python loop over thousands of tensors would stall as long)
-            fresh = [True] * len(values)
-            deque(map(fresh.__setitem__, itertools.compress(at, map(operator.is_, guess, map(values.__getitem__, at))),
-                      itertools.repeat(False)), maxlen=0)
-            rest = list(itertools.compress(range(len(values)), fresh))
-            buffers.speculate = len(values) - len(rest) >= len(rest)  # else the bookkeeping costs more than it saves
+            done = set(itertools.compress(at, map(operator.is_, guess, map(values.__getitem__, at))))
+            rest = list(itertools.filterfalse(done.__contains__, range(len(values))))
+            buffers.speculate = len(done) >= len(rest)  # else the bookkeeping costs more than it saves
             for helper in _copy_in_parallel([buffers.ordered[i] for i in rest], [values[i] for i in rest]):
                 helper.result()
             return extra, self._lend(buffers, values)
@@ -861,15 +859,6 @@ def _walk(collect: Callable[[], tuple[T, dict[str, torch.Tensor]]]) -> tuple[T, 
     return extra, keys, values, ([t.shape for t in values], [t.dtype for t in values], [t.device for t in values])
 
 
-def _walk_then_copy(collect: Callable[[], tuple[T, dict[str, torch.Tensor]]],
-                    shared: _SharedCopy) -> tuple[T, list[str], list[torch.Tensor], tuple[list, list, list]]:
-    start = time.perf_counter()
-    walked = _walk(collect)
-    shared.walked(time.perf_counter() - start)
-    shared.back()
-    return walked
-
-
 class _SharedCopy:
     """Copies of ``tensors`` into ``buffers`` by two threads: the calling one from the front, a
     helper from the back once its walk is done, in parts, until they meet.
@@ -893,8 +882,14 @@ class _SharedCopy:
         self._each: float | None = None  # seconds per tensor of the first part
         self._lock = threading.Lock()
 
-    def walked(self, seconds: float) -> None:
-        self._walk_s = seconds
+    def walk_then_copy(self, collect: Callable[[], tuple[T, dict[str, torch.Tensor]]]
+                       ) -> tuple[T, list[str], list[torch.Tensor], tuple[list, list, list]]:
+        """The helper's part: :func:`_walk`, timed, then copies from the back."""
+        start = time.perf_counter()
+        walked = _walk(collect)
+        self._walk_s = time.perf_counter() - start
+        self.back()
+        return walked
 
     def pace(self) -> tuple[float, float] | None:
         """This time's pace, once both threads are done."""
