@@ -341,6 +341,19 @@ def _compressed_as(deltas: Counter[str]) -> DeltaCodec | None:
     return DELTA_ENCODINGS[_most(plain)]()
 
 
+def writer_pool() -> ThreadPoolExecutor:
+    """Threads that run a save's :class:`StepWriter`. A writer waits on the event loop for its
+    writes, and a local write runs on the loop's default executor: were writers drawn from
+    that executor too, as many concurrent saves as its threads (6 on 2 cores) would wait
+    forever for writes that have no thread left to run on. Past this pool's size, saves
+    queue."""
+    return shared_pool("amber-writer", WRITER_THREADS)
+
+
+#: concurrent saves whose writers run at once (:func:`writer_pool`)
+WRITER_THREADS = 32
+
+
 class StepWriter:
     """Encodes and writes the tensors of one step into the attempt group ``group``.
 
@@ -598,7 +611,8 @@ class StepWriter:
                     return
                 done, _ = wait(list(self._writes), timeout=self._time_left(), return_when=FIRST_COMPLETED)
                 if not done:
-                    raise TimeoutError(f"{len(self._writes)} writes still unanswered at the save's deadline")
+                    n = len(self._writes)
+                    raise TimeoutError(f"{n} write{'s' if n > 1 else ''} still unanswered at the save's deadline")
             for f in done:
                 self._inflight -= self._writes.pop(f)
                 f.result()

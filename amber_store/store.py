@@ -39,7 +39,7 @@ from .format import Manifest, TensorEntry
 from .history import (BASE_POLICIES, PARENTS, History, json_buffer, next_segment, parent_policies, parent_policy,
                       step_base)
 from .lazy import LazyStateDict, LazyTensor, materialize
-from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written
+from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written, writer_pool
 from .reader import Reader, ReadSession, gather
 from .retention import GCReport
 from .uri import Location, connect, is_storage_error, make_durable, put_object, require_conditional_writes
@@ -346,15 +346,17 @@ class Store:
         timeout = self._timeout(tensors)
         deadline = None if timeout is None else time.monotonic() + timeout
         group = fmt.step_group(step, uuid.uuid4().hex[:8])
+        doing = ["listing the steps"]  # the stage reached, for the message of a save out of time
         try:
             manifest, latest, values = await asyncio.wait_for(
-                self._stage(step, group, tree, tensors, full, t0, deadline, metrics), timeout)
+                self._stage(step, group, tree, tensors, full, t0, deadline, metrics, doing), timeout)
         except (asyncio.TimeoutError, TimeoutError) as e:
             if deadline is None or time.monotonic() < deadline:
                 raise  # one request's own timeout
             raise StorageAccessError(
-                f"{self.uri}: saving step {step} did not finish within save_timeout={timeout:.0f} s (is the "
-                "storage answering?); the step is not committed and earlier steps are untouched"
+                f"{self.uri}: saving step {step} did not finish within save_timeout={timeout:.0f} s, stopped "
+                f"while {doing[-1]} (is the storage answering?); the step is not committed and earlier steps "
+                "are untouched"
             ) from e
         except Exception as e:
             await self._discard(group, e)
@@ -383,31 +385,38 @@ class Store:
             await asyncio.wait_for(self._loc.store.delete_dir(group), DISCARD_TIMEOUT)
 
     async def _stage(self, step: int, group: str, tree: dict[str, Any], tensors: dict[str, torch.Tensor],
-                     full: bool | None, t0: float, deadline: float | None, metrics: dict[str, float]) -> tuple[Manifest, int | None, dict[str, torch.Tensor]]:
+                     full: bool | None, t0: float, deadline: float | None, metrics: dict[str, float],
+                     doing: list[str]) -> tuple[Manifest, int | None, dict[str, torch.Tensor]]:
         """Write and seal everything of the step but its commit; returns its manifest, the
-        latest step seen before, and the step's values as later deltas' bases."""
+        latest step seen before, and the step's values as later deltas' bases. Each stage
+        reached is appended to ``doing``."""
         history = self.history
         steps = await history.steps()
         latest = steps[-1] if steps else None
+        doing.append("checking for other writers")
         await history.check_sole_writer(latest)
         if latest is not None and step <= latest:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the latest committed step {latest}")
+        doing.append("reading the manifests of its bases")
         prev = await history.manifest(latest) if latest is not None else None
         bases = await history.base_steps(prev, self.base_policy, self.full_every, full, steps)
         segment = next_segment(prev, bases, step)
+        doing.append("creating its group")
         await self.open_group(group, step)
-        job = asyncio.ensure_future(asyncio.to_thread(self._write_tensors, group, step, tensors, bases,
-                                                      len(segment) - 1, deadline))
+        doing.append("waiting for a writer thread")
+        job = asyncio.get_running_loop().run_in_executor(writer_pool(), self._write_tensors, group, step, tensors,
+                                                         bases, len(segment) - 1, deadline, doing)
         try:
             written = await asyncio.shield(job)
         except asyncio.CancelledError:
             # The deadline passed: the writer thread stops at the same deadline; wait for it,
-            # so no write of this attempt outlives the failed save. Its own error (writes
-            # unanswered at the deadline) says less than the save's: retrieve and drop it.
+            # so no write of this attempt outlives the failed save. Its own error (e.g. writes
+            # unanswered at the deadline) goes into the save's.
             await asyncio.wait([job])
-            if not job.cancelled():
-                job.exception()
+            if not job.cancelled() and job.exception() is not None:
+                doing.append(f"writing its data ({job.exception()})")
             raise
+        doing.append("sealing its group")
         created = await self.seal(group, step, written)
         if self._root_version != fmt.FORMAT_VERSION:
             await history.write_root()  # an older store now holds steps of this version
@@ -446,12 +455,13 @@ class Store:
         return {PARENTS[p](r) for p in policies for r in range(depth + 1, horizon)}
 
     def _write_tensors(self, group: str, step: int, tensors: dict[str, torch.Tensor],
-                       bases: dict[str, int], depth: int, deadline: float | None = None) -> Written:
+                       bases: dict[str, int], depth: int, deadline: float | None, doing: list[str]) -> Written:
         """Encode and write every tensor into ``group`` (on a worker thread, so the event loop
         stays free for the writes), giving up at ``deadline`` (``time.monotonic()``). The step
         is at position ``depth`` of its segment: a tensor whose codec's parent rule never
         diffs against that position (a lossless one under ``auto`` in a delta step) keeps no
         copy of its value (:meth:`kept_as_base`)."""
+        doing.append("encoding and writing its data")
         writer = self.step_writer(group, recycle=self.bases.recycle, deadline=deadline)
         try:
             self.add_tensors(writer, tensors, bases, depth, desc=f"save {step}")

@@ -209,7 +209,20 @@ def _s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
     opts.setdefault("skip_instance_cache", True)
     if "session" not in opts:
         opts["session"] = _session(opts.get("profile"))
+    _no_expect_continue(opts["session"])
     return opts
+
+
+def _no_expect_continue(session: Any) -> None:
+    """Make the clients of ``session`` send a PUT's body at once. botocore asks for
+    "Expect: 100-continue" on every PUT, and aiohttp waits for that interim answer with no
+    timeout: a PUT to a hung server waited 400 s and more (GETs fail after their read
+    timeouts), and once abandoned SeaweedFS stored an empty object. Without it
+    ``read_timeout`` bounds the wait. Done on the session, not a client, so that the client
+    made again after :meth:`Location.close` sends no such header either."""
+    from botocore.handlers import add_expect_header
+
+    session.unregister("before-call.s3", add_expect_header)
 
 
 def _session(profile: str | None) -> Any:
@@ -459,13 +472,6 @@ async def probe(loc: Location) -> None:
         raise StorageAccessError(f"{loc.uri}: storage not usable: {_reason(e)}") from None
     finally:
         if getattr(loc.fs, "_s3", None) is not None:
-            # botocore asks for "Expect: 100-continue" on every PUT, and aiohttp waits for that
-            # interim answer with no timeout: a PUT to a hung server waited 400 s and more (GETs
-            # fail after their read timeouts), and once abandoned SeaweedFS stored an empty
-            # object. Without it a PUT sends its body at once and read_timeout bounds the wait.
-            from botocore.handlers import add_expect_header
-
-            loc.fs._s3.meta.events.unregister("before-call.s3", add_expect_header)
             # Close the client's connections when the filesystem goes, or at exit: aiohttp
             # warns about every session still open then.
             loop = asyncio.get_running_loop()

@@ -6,6 +6,8 @@ import os
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import numpy as np
@@ -38,6 +40,35 @@ def no_developer_aws_environment(tmp_path_factory: pytest.TempPathFactory) -> An
         yield
 
 
+#: the S3 servers started by the fixtures below and still running
+_SERVERS: list[SeaweedFS] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed S3 test's report ends with the tail of each running server's log (a server
+    that stalled says why there, and CI keeps nothing else of it)."""
+    report = yield
+    if report.failed and item.get_closest_marker("s3") is not None:
+        for server in _SERVERS:
+            log = server.data_dir / f"{server.name}.log"
+            if log.exists():
+                tail = log.read_bytes()[-4000:].decode(errors="replace")
+                report.sections.append((f"{server.name} at {server.endpoint}: log tail", tail))
+    return report
+
+
+@contextmanager
+def seaweedfs() -> Iterator[SeaweedFS]:
+    with SeaweedFS() as server:
+        server.create_bucket(BUCKET)
+        _SERVERS.append(server)
+        try:
+            yield server
+        finally:
+            _SERVERS.remove(server)
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Any:
     """The S3 endpoint of the s3-marked tests: a SeaweedFS process started for the session, or
@@ -50,16 +81,14 @@ def s3_server() -> Any:
         server.create_bucket(BUCKET)
         yield server
         return
-    with SeaweedFS() as server:
-        server.create_bucket(BUCKET)
+    with seaweedfs() as server:
         yield server
 
 
 @pytest.fixture
 def own_s3_server() -> Any:
     """A SeaweedFS process of this test alone, which it may kill, freeze and restart."""
-    with SeaweedFS() as server:
-        server.create_bucket(BUCKET)
+    with seaweedfs() as server:
         yield server
 
 

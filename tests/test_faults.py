@@ -233,6 +233,18 @@ def test_two_writers_saving_the_same_step_at_once_commit_exactly_one(make_store)
     assert_bit_equal(make_store(mode="r").load(2)["x"].materialize(), torch.full((3,), float(won[0])))
 
 
+def test_more_stores_saving_at_once_than_the_event_loop_has_threads_all_commit(tmp_path):
+    # Local writes run on the event loop's default executor (min(32, cores + 4) threads); the
+    # threads that drive the saves must not come from it, or saves that fill it wait forever.
+    n = min(32, (os.cpu_count() or 1) + 4) + 2
+    stores = [amber.open(tmp_path / f"s{i}", save_timeout=60) for i in range(n)]
+    states = [{"w": torch.full((256, 256), float(i)), "b": torch.full((8,), float(i))} for i in range(n)]
+    outcomes = save_at_once(stores, 1, states)
+    assert all(isinstance(o, amber.CommitInfo) for o in outcomes), outcomes
+    for store, state in zip(stores, states):
+        assert_tree_bit_equal(store.load(1, lazy=False), state)
+
+
 def test_a_commit_whose_answer_was_lost_is_adopted_by_its_writer_which_saves_on(make_store, monkeypatch):
     store = make_store()
     states = {k: {"x": torch.full((64,), float(k))} for k in (1, 2, 3)}

@@ -55,6 +55,25 @@ def after_first_object(monkeypatch: pytest.MonkeyPatch, action) -> None:
     monkeypatch.setattr(pipeline.StepWriter, "_put", put)
 
 
+def test_a_write_to_a_frozen_server_fails_within_its_request_timeouts_also_after_close(own_s3_server, s3_uri,
+                                                                                          monkeypatch):
+    # aiohttp waits for a "100 Continue" with no timeout; the client that close() lets a
+    # store make again must not ask for one either.
+    quick = {**own_s3_server.storage_options(),
+             "config_kwargs": {"read_timeout": 1, "connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    store = amber.open(s3_uri, quick, pack_threshold=0, save_timeout=60)
+    store.save(1, state(1))
+    store.close()
+    after_first_object(monkeypatch, own_s3_server.freeze)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(amber.StorageAccessError, match="saving step 2 failed"):
+            store.save(2, state(2))
+        assert time.monotonic() - t0 < 30
+    finally:
+        own_s3_server.thaw()
+
+
 def test_server_killed_mid_save_loses_nothing_and_the_same_writer_saves_again_after_restart(own_s3_server, s3_uri,
                                                                                           monkeypatch):
     opts = own_s3_server.storage_options()
@@ -85,7 +104,8 @@ def test_a_frozen_server_fails_saves_within_their_deadline_and_reads_within_requ
     after_first_object(monkeypatch, own_s3_server.freeze)
     try:
         t0 = time.monotonic()
-        with pytest.raises(amber.StorageAccessError, match="saving step 2 did not finish within save_timeout=3 s"):
+        with pytest.raises(amber.StorageAccessError, match=r"saving step 2 did not finish within save_timeout=3 s, "
+                                                         r"stopped while writing its data \(\d+ writes? still unanswered"):
             store.save(2, state(2))
         assert time.monotonic() - t0 < 3 + 5
         # In the background: the failure is the future's and the next call's.
