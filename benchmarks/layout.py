@@ -161,7 +161,8 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
                          "torch.save files": ts_files, "objects per step (max)": objects,
                          "large tensors": large, "deepest chain": depths[deepest]}
         for k in (1, 2):  # the next segments' first steps
-            times["torch.save"].append(timed(lambda: torch.save(state, ts_dir / "next.pt")))
+            # a new file, as each of amber's steps and a training job's checkpoints are
+            times["torch.save"].append(timed(lambda: torch.save(state, ts_dir / f"next{k}.pt")))
             times["amber save full"].append(timed(lambda: store.save(k * full_every, state, full=True)))
         shutil.rmtree(run)
         shutil.rmtree(ts_dir)
