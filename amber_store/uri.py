@@ -141,8 +141,11 @@ class Location:
         return (getattr(self.fs, "client_kwargs", None) or {}).get("endpoint_url") or "AWS S3"
 
     def close(self) -> None:
-        """Close the storage client's connections (the next request opens new ones)."""
-        _close_fs(self.fs)
+        """Close the storage client's connections. The location stays usable: a new client,
+        with no connection yet, takes the old one's place (and is closed in turn when the
+        filesystem goes, or at exit)."""
+        if _close_fs(self.fs):
+            sync(_renew_client(self.fs))
 
 
 # S3 filesystems with a client session, and the event loop (zarr's) the session lives on;
@@ -157,11 +160,27 @@ def _close_sessions() -> None:
         _close_fs(fs)
 
 
-def _close_fs(fs: Any) -> None:
+def _close_fs(fs: Any) -> bool:
+    """Close the client of ``fs`` if it is one of ours; whether it was."""
     client = getattr(fs, "_s3", None)
-    if client is not None and fs in _SESSIONS:
-        fs._s3 = None
-        _close_client(client, _SESSIONS[fs])
+    if client is None or fs not in _SESSIONS:
+        return False
+    fs._s3 = None
+    _close_client(client, _SESSIONS[fs])
+    return True
+
+
+def _track_client(fs: Any) -> None:
+    """Close the client of ``fs`` when the filesystem goes, or at exit: aiohttp warns about
+    every session still open then. Called on the event loop the client lives on."""
+    loop = asyncio.get_running_loop()
+    weakref.finalize(fs, _close_client, fs._s3, loop).atexit = False
+    _SESSIONS[fs] = loop
+
+
+async def _renew_client(fs: Any) -> None:
+    await fs.set_session()
+    _track_client(fs)
 
 
 def _close_client(client: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -472,11 +491,7 @@ async def probe(loc: Location) -> None:
         raise StorageAccessError(f"{loc.uri}: storage not usable: {_reason(e)}") from None
     finally:
         if getattr(loc.fs, "_s3", None) is not None:
-            # Close the client's connections when the filesystem goes, or at exit: aiohttp
-            # warns about every session still open then.
-            loop = asyncio.get_running_loop()
-            weakref.finalize(loc.fs, _close_client, loc.fs._s3, loop).atexit = False
-            _SESSIONS[loc.fs] = loop
+            _track_client(loc.fs)
 
 
 async def footprint(loc: Location) -> dict[str, int]:

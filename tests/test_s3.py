@@ -281,7 +281,7 @@ def test_a_delta_save_lists_the_commits_twice_and_writes_each_object_once(s3_ser
     assert {name for name, _ in calls} == {"ListObjectsV2", "PutObject"}
 
 
-def test_stores_never_closed_leave_no_open_connections_at_exit(s3_server, s3_uri):
+def test_stores_never_closed_or_used_after_close_leave_no_open_connections_at_exit(s3_server, s3_uri):
     opts = s3_server.storage_options()
     code = (
         "import gc, sys, torch, amber_store as amber\n"
@@ -289,6 +289,7 @@ def test_stores_never_closed_leave_no_open_connections_at_exit(s3_server, s3_uri
         "writer = amber.open(uri, opts)\n"
         "writer.save(1, {'x': torch.arange(10.)})\n"
         "dropped = amber.open(uri, opts, mode='r'); dropped.steps(); del dropped; gc.collect()\n"
+        "reused = amber.open(uri, opts, mode='r'); reused.close(); reused.steps(); del reused; gc.collect()\n"
         "reader = amber.open(uri, opts, mode='r')\n"
         "print(reader.load(1)['x'][3:5].tolist())\n"
     )
