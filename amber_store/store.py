@@ -16,6 +16,7 @@ import errno
 import functools
 import math
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -174,6 +175,7 @@ class Store:
         self._warned_backpressure = False
         self._snapshots = Snapshots(snapshot)
         self._walked = fmt.FlattenMemo()  # the last state saved, as flatten found it
+        self._saving = threading.Lock()  # one save at a time: its checks against the history assume so
         sync(self._init_root())
 
     # --- opening ------------------------------------------------------------------------
@@ -262,7 +264,8 @@ class Store:
         follows ``full_every``. ``metrics`` (name -> number, e.g. ``{"loss": 2.31}``) are kept in
         the manifest, for retention by metric (``gc(policy=retention.BestN(...))``). Raises
         :class:`StepOrderError` unless ``step`` is newer than every committed step. On any error
-        nothing becomes visible. Waits for pending :meth:`save_async` calls first.
+        nothing becomes visible. Waits for pending :meth:`save_async` calls first. Threads
+        saving through one store take turns.
         """
         self._require_writable()
         self.wait()
@@ -323,9 +326,11 @@ class Store:
 
     def _save_now(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
                   t0: float, metrics: dict[str, float]) -> CommitInfo:
-        """Check the step against the store as it is now, then write and commit it."""
+        """Check the step against the store as it is now, then write and commit it; threads
+        saving through one store take turns here."""
         try:
-            manifest = sync(self._save(step, tree, tensors, full, t0, metrics))
+            with self._saving:
+                manifest = sync(self._save(step, tree, tensors, full, t0, metrics))
         except Exception as e:
             if isinstance(e, AmberError) or not is_storage_error(e):
                 raise

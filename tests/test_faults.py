@@ -245,6 +245,30 @@ def test_more_stores_saving_at_once_than_the_event_loop_has_threads_all_commit(t
         assert_tree_bit_equal(store.load(1, lazy=False), state)
 
 
+def test_threads_saving_through_one_store_take_turns_and_a_step_not_newer_is_refused_as_such(local_store):
+    store = local_store()
+    states = {i: {"w": torch.full((64,), float(i)), "step": i} for i in range(1, 25)}
+    errors: list[Exception] = []
+
+    def save(steps: range) -> None:
+        for i in steps:
+            try:
+                store.save(i, states[i])
+            except amber.AmberError as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(range(k, 25, 2),)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(e, amber.StepOrderError) and "not newer than the latest committed step" in str(e)
+               for e in errors), errors
+    assert len(store.steps()) + len(errors) == 24
+    for i in store.steps():
+        assert_tree_bit_equal(store.load(i, lazy=False), states[i])
+
+
 def test_a_commit_whose_answer_was_lost_is_adopted_by_its_writer_which_saves_on(make_store, monkeypatch):
     store = make_store()
     states = {k: {"x": torch.full((64,), float(k))} for k in (1, 2, 3)}
