@@ -266,7 +266,7 @@ Where amber-store loses:
   and compressed on both cores), `store.save` of the {gpt['raw_bytes'] / 1e6:.0f} MB GPT-like state takes
   {gpt['ratios']['amber save full']:.2f}x (full; a fresh store's first save
   {gpt['ratios']['amber save full (fresh store)']:.2f}x) / {gpt['ratios']['amber save delta']:.2f}x (delta) `torch.save`'s time, and
-  {small['ratios']['amber save full']:.2f}x / {small['ratios']['amber save delta']:.2f}x for {small['tensors']} small tensors (goal 1.5x / 2x). torch.save writes
+  {small['ratios']['amber save full']:.2f}x / {small['ratios']['amber save delta']:.2f}x for {small['tensors']} small tensors (goals: 1.5x and 2x). torch.save writes
   to the page cache without compressing or fsyncing; amber-store compresses on both cores
   (full steps and large tensors' deltas lz4, packs zstd) and fsyncs each object as it lands
   (`durable=False`: {gpt['ratios']['amber save delta (durable=False)']:.2f}x). Format 5's default, `codec="xor"` (zstd), takes
