@@ -1002,7 +1002,7 @@ class Background:
     def __init__(self, max_pending: int = 1) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="amber-save")
+        self._pool: ThreadPoolExecutor | None = None  # made at the first save, again after close
         self.max_pending = max_pending
         self._slots = threading.Semaphore(max_pending)
         self._pending: set[Future[Any]] = set()
@@ -1022,8 +1022,10 @@ class Background:
         self._slots.release()
 
     def submit(self, step: int, work: Any, cleanup: Any) -> Future[Any]:
-        fut = self._pool.submit(work)
         with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="amber-save")
+            fut = self._pool.submit(work)
             self._pending.add(fut)
 
         def done(f: Future[Any]) -> None:
@@ -1057,5 +1059,9 @@ class Background:
         self.raise_failure()
 
     def close(self) -> None:
-        """Stop the thread once queued saves are done (their failures stay on their futures)."""
-        self._pool.shutdown(wait=True)
+        """Stop the thread once queued saves are done (their failures stay on their futures); a
+        later submit starts another."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

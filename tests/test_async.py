@@ -315,6 +315,19 @@ def test_sync_save_waits_for_pending_async_saves_in_order(tmp_path):
     assert_tree_bit_equal(reader.load(2, lazy=False), s2)
 
 
+def test_a_closed_store_saves_again_in_the_foreground_and_the_background(tmp_path):
+    store = amber.open(tmp_path / "ckpt")
+    states = {i: state(i) for i in (1, 2, 3)}
+    store.save_async(1, states[1])
+    store.close()
+    store.save(2, states[2])
+    assert store.save_async(3, states[3]).result(timeout=60).step == 3
+    store.close()
+    reader = amber.open(tmp_path / "ckpt", mode="r")
+    for i, s in states.items():
+        assert_tree_bit_equal(reader.load(i, lazy=False), s)
+
+
 CFG = GPTConfig(context=16, width=32, layers=1, heads=2)
 
 
