@@ -189,6 +189,11 @@ async def _running_loop() -> asyncio.AbstractEventLoop:
     return asyncio.get_running_loop()
 
 
+def event_loop() -> asyncio.AbstractEventLoop:
+    """zarr's event loop (a thread of its own), on which every storage call runs."""
+    return sync(_running_loop())
+
+
 #: bytes of small tensors diffed together (:meth:`StepWriter._diff_batch`)
 BATCH_BYTES = 4 << 20
 
@@ -381,7 +386,7 @@ class StepWriter:
         self._pack_name = pack_name
         self._max_inflight = max_inflight_bytes
         self._recycle = recycle or (lambda key, like: None)
-        self._loop = sync(_running_loop())
+        self._loop = event_loop()
         self._pool = codec_pool()
         self._out = Written()
         self._pack = _PackStream(chunk_bytes or fmt.PACK_CHUNK_BYTES, self._pool, compression)

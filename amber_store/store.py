@@ -23,7 +23,7 @@ import warnings
 from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any, Callable, Literal
 
 import torch
@@ -40,7 +40,7 @@ from .format import Manifest, TensorEntry
 from .history import (BASE_POLICIES, PARENTS, History, json_buffer, next_segment, parent_policies, parent_policy,
                       step_base)
 from .lazy import LazyStateDict, LazyTensor, materialize
-from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written, writer_pool
+from .pipeline import Background, Base, BaseCache, Snapshots, StepWriter, Written, event_loop, writer_pool
 from .reader import Reader, ReadSession, gather
 from .retention import GCReport
 from .uri import Location, connect, is_storage_error, make_durable, put_object, require_conditional_writes
@@ -71,6 +71,18 @@ class CommitInfo:
     def ratio(self) -> float:
         """Raw tensor bytes per stored byte (higher is smaller)."""
         return self.nbytes_raw / max(1, self.nbytes_stored)
+
+
+def _interruptible(coro: Coroutine[Any, Any, Manifest]) -> Manifest:
+    """Run ``coro`` on zarr's event loop and wait for it, like zarr's ``sync``, but cancel it
+    when the wait is interrupted (KeyboardInterrupt): a save interrupted before its commit is
+    then never committed behind the caller's back (its data is left for gc)."""
+    future = asyncio.run_coroutine_threadsafe(coro, event_loop())
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()
+        raise
 
 
 class Store:
@@ -330,7 +342,7 @@ class Store:
         saving through one store take turns here."""
         try:
             with self._saving:
-                manifest = sync(self._save(step, tree, tensors, full, t0, metrics))
+                manifest = _interruptible(self._save(step, tree, tensors, full, t0, metrics))
         except Exception as e:
             if isinstance(e, AmberError) or not is_storage_error(e):
                 raise

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -310,6 +312,28 @@ def test_sync_save_waits_for_pending_async_saves_in_order(tmp_path):
     store.save_async(1, s1)
     info = store.save(2, s2)
     assert info.kind == "delta" and info.base == 1
+    reader = amber.open(tmp_path / "ckpt", mode="r")
+    assert_tree_bit_equal(reader.load(1, lazy=False), s1)
+    assert_tree_bit_equal(reader.load(2, lazy=False), s2)
+
+
+def test_a_save_interrupted_by_ctrl_c_is_not_committed_and_the_store_saves_on(tmp_path):
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.0)
+    store = amber.open(slow)
+    s1, s2 = state(1), state(2)
+    store.save(1, s1)
+    slow.gate.clear()  # the next save's data writes wait: Ctrl-C comes while it runs
+    ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store.save(2, s2)
+    finally:
+        ctrl_c.join()
+        slow.gate.set()
+    time.sleep(0.5)  # the interrupted save's writes settle; it must not commit after them
+    assert store.steps() == [1]
+    assert store.save(2, s2).step == 2
     reader = amber.open(tmp_path / "ckpt", mode="r")
     assert_tree_bit_equal(reader.load(1, lazy=False), s1)
     assert_tree_bit_equal(reader.load(2, lazy=False), s2)
