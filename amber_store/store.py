@@ -227,13 +227,15 @@ class Store:
         self._root_version = fmt.FORMAT_VERSION
 
     def close(self) -> None:
-        """Wait for pending async saves, then drop cached state and close the storage
-        client's connections. Raises the failure of a pending save, after closing."""
+        """Wait for pending async saves (and a save of another thread), then drop cached state
+        and close the storage client's connections. Raises the failure of a pending save,
+        after closing."""
         try:
             self._background.wait()
         finally:
             self._background.close()
-            self._release()
+            with self._saving:
+                self._release()
 
     def _release(self) -> None:
         self.bases.clear()

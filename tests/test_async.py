@@ -339,6 +339,20 @@ def test_a_save_interrupted_by_ctrl_c_is_not_committed_and_the_store_saves_on(tm
     assert_tree_bit_equal(reader.load(2, lazy=False), s2)
 
 
+def test_close_waits_for_a_save_that_another_thread_runs(tmp_path):
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.0)
+    store = amber.open(slow)
+    store.save(1, state(1))
+    slow.gate.clear()
+    saving = threading.Thread(target=store.save, args=(2, state(2)))
+    saving.start()
+    time.sleep(0.2)  # that save now waits for its data writes
+    threading.Timer(0.3, slow.gate.set).start()
+    store.close()
+    assert amber.open(tmp_path / "ckpt", mode="r").steps() == [1, 2]
+    saving.join()
+
+
 def test_a_closed_store_saves_again_in_the_foreground_and_the_background(tmp_path):
     store = amber.open(tmp_path / "ckpt")
     states = {i: state(i) for i in (1, 2, 3)}
