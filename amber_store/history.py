@@ -186,6 +186,18 @@ class History:
         """Drop cached manifests (after retention rewrote or removed some)."""
         self._manifests.clear()
 
+    async def outdated(self, step: int) -> bool:
+        """Whether ``step`` as read before is no longer what is committed: retention (of this
+        process or another) removed it, or rewrote it onto other bases (its manifest held
+        here, if any, differs from the committed one)."""
+        fut = self._manifests.get(step)
+        held = fut.result() if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None else None
+        try:
+            fresh = await self._read_manifest(step)
+        except StepNotFoundError:
+            return True
+        return held is not None and fresh.to_json() != held.to_json()
+
     async def holder(self, step: int, key: str) -> tuple[int, TensorEntry] | None:
         """The step whose data holds ``key``'s value at ``step`` (``same`` resolved), and its
         entry; ``None`` if the step has no such tensor."""

@@ -23,7 +23,7 @@ from zarr.core.buffer import default_buffer_prototype
 from . import format as fmt
 from . import legacy
 from .codecs import DELTA_ENCODINGS, codec_pool, decompress, scratch
-from .errors import CorruptDataError
+from .errors import CorruptDataError, StepNotFoundError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
 from .history import History
 from .uri import storage_errors
@@ -62,8 +62,23 @@ class Reader:
 
     async def read(self, step: int, key: str, region: tuple[slice, ...] | None = None, *,
                    session: ReadSession | None = None, check: bool | None = None) -> np.ndarray:
-        """Raw bits of ``key`` at ``step`` over a chunk-aligned ``region`` (``None``: all)."""
+        """Raw bits of ``key`` at ``step`` over a chunk-aligned ``region`` (``None``: all).
+
+        A step opened before retention removed or rewrote the steps its data lies in (a lazy
+        state dict kept while training's gc runs) is read again from its manifest as committed
+        now; one no longer committed raises :class:`StepNotFoundError` saying so."""
         with storage_errors(self.history.uri, f"reading step {step}, tensor {key!r}"):
+            try:
+                return await self._read(step, key, region, session, check)
+            except (StepNotFoundError, CorruptDataError):
+                if not await self.history.outdated(step):
+                    raise
+            self.history.forget()
+            try:
+                await self.history.manifest(step)
+            except StepNotFoundError:
+                raise StepNotFoundError(f"{self.history.uri}: step {step} was deleted (by gc or retention) after it "
+                                        f"was opened; tensor {key!r} cannot be read") from None
             return await self._read(step, key, region, session, check)
 
     async def _read(self, step: int, key: str, region: tuple[slice, ...] | None, session: ReadSession | None,

@@ -56,6 +56,21 @@ def test_gc_keeps_every_retained_step_bit_exact_and_bounds_storage(make_store):
     assert_tree_bit_equal(make_store(mode="r").load(31, lazy=False), state)
 
 
+def test_lazy_steps_opened_before_gc_read_their_rewritten_data_or_say_the_step_was_deleted(make_store):
+    store = make_store(full_every=3)
+    states = {i: {"w": torch.full((600, 600), float(i)), "b": torch.full((5,), float(i))} for i in range(1, 8)}
+    for i, state in states.items():
+        store.save(i, state)
+    reader = make_store(mode="r")
+    kept, gone = reader.load(6), reader.load(2)
+    assert_tree_bit_equal({"b": gone["b"].materialize()}, {"b": states[2]["b"]})  # its chain's manifests read
+    report = store.gc(keep_last=2)
+    assert report.keep == [6, 7] and report.rewrite == [6]  # 6 was a delta on 4: folded onto itself
+    assert_tree_bit_equal({k: kept[k].materialize() for k in states[6]}, states[6])
+    with pytest.raises(amber.StepNotFoundError, match="step 2 was deleted .* after it was opened"):
+        gone["w"].materialize()
+
+
 class FailAfter(WrapperStore):
     """Fails the n-th mutation (write or delete) once armed, like a crash at that point."""
 
