@@ -27,9 +27,12 @@ class SlowStore(WrapperStore):
         self.fail = False
         self.gate = threading.Event()
         self.gate.set()
+        self.held = threading.Event()  # set once a write waits at the closed gate
 
     async def set(self, key: str, value: Buffer) -> None:
         if is_data_key(key):
+            if not self.gate.is_set():
+                self.held.set()
             await asyncio.to_thread(self.gate.wait)
             await asyncio.sleep(self.delay)
             if self.fail:
@@ -346,7 +349,7 @@ def test_close_waits_for_a_save_that_another_thread_runs(tmp_path):
     slow.gate.clear()
     saving = threading.Thread(target=store.save, args=(2, state(2)))
     saving.start()
-    time.sleep(0.2)  # that save now waits for its data writes
+    assert slow.held.wait(30)  # that save now waits for its data writes
     threading.Timer(0.3, slow.gate.set).start()
     store.close()
     assert amber.open(tmp_path / "ckpt", mode="r").steps() == [1, 2]
