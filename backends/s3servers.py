@@ -125,7 +125,7 @@ class S3Server(S3Endpoint):
 
     def start(self) -> "S3Server":
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.data_dir / f"{self.name}.log", "ab")
+        log = open(self.log_path, "ab")
         with log:
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True,
@@ -151,9 +151,18 @@ class S3Server(S3Endpoint):
             except Exception as e:  # connection refused, 5xx while starting, ...
                 last = e
             time.sleep(0.2)
-        tail = (self.data_dir / f"{self.name}.log").read_bytes()[-2000:].decode(errors="replace")
+        tail = self.log_tail(2000)
         self.stop()
         raise RuntimeError(f"{self.name} at {self.endpoint} did not become ready ({last!r}); log tail:\n{tail}")
+
+    @property
+    def log_path(self) -> Path:
+        """Where the server's output goes."""
+        return self.data_dir / f"{self.name}.log"
+
+    def log_tail(self, nbytes: int) -> str:
+        """The last ``nbytes`` of the server's output ("" before it started)."""
+        return self.log_path.read_bytes()[-nbytes:].decode(errors="replace") if self.log_path.exists() else ""
 
     @property
     def running(self) -> bool:

@@ -51,10 +51,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if report.failed and item.get_closest_marker("s3") is not None:
         for server in _SERVERS:
-            log = server.data_dir / f"{server.name}.log"
-            if log.exists():
-                tail = log.read_bytes()[-4000:].decode(errors="replace")
-                report.sections.append((f"{server.name} at {server.endpoint}: log tail", tail))
+            report.sections.append((f"{server.name} at {server.endpoint}: log tail", server.log_tail(4000)))
     return report
 
 
