@@ -749,7 +749,7 @@ class Snapshots:
         (alternately, medians): 0.8-0.9x the time of a bare copy loop, the walk included;
         1.0-1.1x right after a parallel torch op (its OpenMP worker spins on the other core for
         a few ms); for the 8,000 tiny tensors of a 2,000-parameter model and its AdamW state,
-        1.6-1.8x (per-tensor Python work: the walk's checks, ~1 us a tensor, and a copy's
+        1.6-1.9x (per-tensor Python work: the walk's checks, ~1 us a tensor, and a copy's
         dispatch, ~1.5 us)."""
         with _gc_paused():
             return self._take(collect)

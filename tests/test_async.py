@@ -325,8 +325,8 @@ def test_a_save_interrupted_by_ctrl_c_is_not_committed_and_the_store_saves_on(tm
     store = amber.open(slow)
     s1, s2 = state(1), state(2)
     store.save(1, s1)
-    slow.gate.clear()  # the next save's data writes wait: Ctrl-C comes while it runs
-    ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    slow.gate.clear()  # the next save's data writes wait: Ctrl-C comes while they do
+    ctrl_c = threading.Thread(target=lambda: slow.held.wait(30) and os.kill(os.getpid(), signal.SIGINT))
     ctrl_c.start()
     try:
         with pytest.raises(KeyboardInterrupt):
