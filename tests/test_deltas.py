@@ -13,6 +13,7 @@ from numcodecs import blosc
 
 import amber_store as amber
 from amber_store import format as fmt
+from amber_store.codecs import Compression, decompress
 from conftest import all_keys, assert_bit_equal, assert_tree_bit_equal, is_data_key, stored_chunk
 
 
@@ -293,6 +294,29 @@ def blosc_settings(frame: bytes) -> tuple[str, int]:
     (its flags byte: bit 0 byte shuffle, bit 2 bit shuffle)."""
     flags = frame[2]
     return blosc.cbuffer_complib(frame), 1 if flags & 1 else 2 if flags & 4 else 0
+
+
+def with_crc(frame: bytes) -> bytes:
+    """A stored chunk: its blosc frame, then the frame's crc32c."""
+    return frame + crc32c.crc32c(frame).to_bytes(4, "little")
+
+
+def test_a_frame_claiming_more_bytes_than_its_buffer_is_refused_not_decoded_past_it():
+    values = np.arange(4096, dtype=np.float32)
+    frame = bytearray(Compression().compress(values.view(np.uint8), 4, None)[0])
+    frame[4:8] = (2 * values.nbytes).to_bytes(4, "little")  # the header's uncompressed size
+    out = np.zeros(values.nbytes + 4096, np.uint8)  # the chunk's buffer, then a guard
+    assert decompress(with_crc(bytes(frame)), out[: values.nbytes]) is None
+    assert not out.any()
+
+
+def test_a_frame_that_passes_its_checksum_but_does_not_decode_is_refused():
+    values = np.arange(4096, dtype=np.float32)
+    frame = Compression().compress(values.view(np.uint8), 4, None)[0]
+    assert decompress(with_crc(frame), np.empty(values.nbytes, np.uint8)).view(np.float32).tolist() == values.tolist()
+    cut = frame[:-8]  # its header still names the whole frame's size
+    assert decompress(with_crc(cut)) is None
+    assert decompress(with_crc(cut), np.empty(values.nbytes, np.uint8)) is None
 
 
 @pytest.mark.parametrize("compressor", ["auto", "zstd", "lz4"])
