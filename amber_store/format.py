@@ -432,9 +432,13 @@ def flatten(state: Any, memo: FlattenMemo | None = None) -> tuple[dict[str, Any]
         return path or "<root>"
 
     def tensor(t: torch.Tensor, path: str) -> str:
-        if t.layout != strided:  # sparse, sparse CSR, mkldnn... (they have no data_ptr)
-            raise UnsupportedStateError(f"{where(path)}: only strided (dense) tensors are supported")
+        if t.layout != strided or t.is_nested:  # sparse, sparse CSR, mkldnn, nested: no one dense buffer
+            raise UnsupportedStateError(f"{where(path)}: only strided (dense) tensors are supported"
+                                        + (" (a nested tensor: save its components, t.unbind())" if t.is_nested else ""))
         ptr = t.data_ptr()
+        if not ptr and t.is_meta:
+            raise UnsupportedStateError(f"{where(path)}: a tensor on the meta device holds no data (give it values "
+                                        "first, e.g. module.to_empty(device=...) then load or initialize it)")
         there = first.get(ptr) if ptr else None
         if there is not None:
             for other_key in (there, *others.get(ptr, ())):

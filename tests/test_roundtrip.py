@@ -107,11 +107,15 @@ def test_leaves_of_real_checkpoints_round_trip_as_the_same_types(make_store, laz
         assert type(got["hparams"]["data_dir"]) is pathlib.PosixPath
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 def test_what_no_safe_format_can_hold_is_refused_before_anything_is_written(make_store):
     store = make_store()
     for bad, match in ((np.array([{}], dtype=object), "numpy array of dtype object"),
                        ({torch.ones(1): 1}, "holds a tensor"), ({"fn": print}, "cannot store a builtin"),
-                       (torch.ones(2).to_sparse(), "only strided")):
+                       (torch.ones(2).to_sparse(), "only strided"),
+                       (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor"),
+                       (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged), "nested tensor"),
+                       (torch.empty(3, device="meta"), "meta device holds no data")):
         with pytest.raises(amber.UnsupportedStateError, match=match):
             store.save(1, {"x": bad})
     assert store.steps() == []
