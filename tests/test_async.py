@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import threading
 import time
@@ -326,7 +325,19 @@ def test_a_save_interrupted_by_ctrl_c_is_not_committed_and_the_store_saves_on(tm
     s1, s2 = state(1), state(2)
     store.save(1, s1)
     slow.gate.clear()  # the next save's data writes wait: Ctrl-C comes while they do
-    ctrl_c = threading.Thread(target=lambda: slow.held.wait(30) and os.kill(os.getpid(), signal.SIGINT))
+    main = threading.main_thread().ident
+
+    def interrupt() -> None:
+        # To the main thread, where a terminal's Ctrl-C lands (os.kill lets the kernel pick any
+        # thread). A CI run's save once waited out its 300 s deadline uninterrupted, cause
+        # unproven: either the signal missed the main thread or the save reached its writes
+        # after this thread's 30 s wait; neither can hang the test now.
+        if slow.held.wait(120):
+            signal.pthread_kill(main, signal.SIGINT)
+        else:
+            slow.gate.set()  # never held: the save finishes and the test fails, rather than hangs
+
+    ctrl_c = threading.Thread(target=interrupt)
     ctrl_c.start()
     try:
         with pytest.raises(KeyboardInterrupt):
