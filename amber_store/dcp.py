@@ -146,11 +146,11 @@ class AmberStorageWriter(StorageWriter):
         if latest is not None and step <= latest:
             raise StepOrderError(f"{store.uri}: step {step} is not newer than the latest committed step {latest}")
         prev = store.manifest(latest) if latest is not None else None
-        bases = sync(store.history.base_steps(prev, store.base_policy, store.full_every, self.full, steps))
+        bases = sync(store.history.base_steps(prev, store.writer.base_policy, store.writer.full_every, self.full, steps))
         attempt = uuid.uuid4().hex[:8]
         segment = next_segment(prev, bases, step)
         decision = _StepPlan(step, bases, len(segment) - 1, fmt.step_group(step, attempt), attempt, latest, segment)
-        sync(store.open_group(decision.group, step))
+        sync(store.writer.open_group(decision.group, step))
         self._plan = decision  # finish() gets no plan: the coordinator remembers its decision
         return [dataclasses.replace(p, storage_data=decision) for p in plans]
 
@@ -160,14 +160,15 @@ class AmberStorageWriter(StorageWriter):
         bases = _bases(store.uri)
         _promote(store, bases)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        writer = store.step_writer(decision.group, pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=bases.cache.recycle)
+        out = store.writer.step_writer(decision.group, pack_name=f"{fmt.PACK_PREFIX}-r{rank}",
+                                       recycle=bases.cache.recycle)
         keyed = {item_key(item.index, item.type): item for item in plan.items}
         tensors = {key: _item_tensor(planner.resolve_data(item)) for key, item in keyed.items()}
         try:
-            store.add_tensors(writer, tensors, decision.bases, decision.depth, cache=bases.cache)
-            written = writer.finish()
+            store.writer.add_tensors(out, tensors, decision.bases, decision.depth, cache=bases.cache)
+            written = out.finish()
         finally:
-            writer.close()
+            out.close()
         bases.pending = (decision.step, written.values)
         # The rank's packs, array metadata and object keys ride on its first result.
         shared = {"packs": written.packs, "arrays": written.arrays, "keys": written.keys}
@@ -197,11 +198,11 @@ class AmberStorageWriter(StorageWriter):
         meta_key = f"{decision.group}/{_METADATA}"
         sync(store.history.zstore.set(meta_key, default_buffer_prototype().buffer.from_bytes(blob)))
         written.keys.append(meta_key)
-        created = sync(store.seal(decision.group, decision.step, written))
+        created = sync(store.writer.seal(decision.group, decision.step, written))
         manifest = Manifest(
             step=decision.step,
             kind="delta" if decision.bases else "full",
-            base=step_base(decision.bases, store.base_policy),
+            base=step_base(decision.bases, store.writer.base_policy),
             depth=decision.depth,
             group=decision.group,
             tree={"dict": [[k, {"tensor": k}] for k in sorted(entries)]},
@@ -246,7 +247,7 @@ def _promote(store: Store, bases: _RankBases) -> None:
         step, values = bases.pending
         if step in store.steps():
             bases.cache.put(step, values)
-            bases.cache.keep(store.live_bases(store.manifest(step)))
+            bases.cache.keep(store.writer.live_bases(store.manifest(step)))
             bases.pending = None
 
 

@@ -243,24 +243,24 @@ def _fold(store: Store, step: int, earlier_kept: list[int], deleted: set[int]) -
     todo = [k for k in m.tensors if deleted & set(deps[k])]
     base_m = store.manifest(earlier_kept[-1]) if earlier_kept else None
     group = fmt.step_group(step, uuid.uuid4().hex[:8])
-    writer = store.step_writer(group)
-    refs = store.bases_for(base_m, todo) if base_m is not None else {}
+    out = store.writer.step_writer(group)
+    refs = store.writer.bases_for(base_m, todo) if base_m is not None else {}
     try:
-        sync(store.open_group(group, step))
+        sync(store.writer.open_group(group, step))
         for key in todo:
-            value = store.materialized(step, key)
+            value = store.writer.materialized(step, key)
             ref = refs.get(key)
             if ref is not None and ref.step < deps[key][0] and not torch.equal(fmt.to_bits(value), ref.bits):
                 ref = None  # unchanged is free; a long new chain is not
             found = sync(history.holder(step, key))
-            writer.add(key, value, ref, layout=None if found is None else found[1])
-        written = writer.finish()
-        created = sync(store.seal(group, step, written))
+            out.add(key, value, ref, layout=None if found is None else found[1])
+        written = out.finish()
+        created = sync(store.writer.seal(group, step, written))
     except BaseException:
-        writer.close()
-        sync(store.discard(group))  # never to be used: give its space back at once
+        out.close()
+        sync(store.writer.discard(group))  # never to be used: give its space back at once
         raise
-    writer.close()
+    out.close()
     for e in written.entries.values():  # the fold's pack sits beside the step's own
         if e.pack is not None:
             e.pack = [f"{e.pack[0]}@{group}", *e.pack[1:]]

@@ -344,11 +344,11 @@ def test_only_steps_a_later_save_diffs_against_keep_a_copy_of_their_values(local
     # Under "auto" lossless deltas diff against the full step: a delta step's values are never
     # a base, so a save does not copy them; "chain" diffs against the previous step.
     base = {"auto": 0, "chain": 2}[policy]
-    assert [step for step in range(3) if store.bases.get(step, "w") is not None] == [base]
+    assert [step for step in range(3) if store.writer.bases.get(step, "w") is not None] == [base]
     if policy == "chain":
-        assert torch.equal(store.bases.get(2, "w"), fmt.to_bits(w))
+        assert torch.equal(store.writer.bases.get(2, "w"), fmt.to_bits(w))
     else:  # no buffer was filled for steps 1 and 2 (a copied one would be free for reuse now)
-        assert store.bases.recycle("w", fmt.to_bits(w)) is None
+        assert store.writer.bases.recycle("w", fmt.to_bits(w)) is None
     store.save(3, {"w": w + 1, "b": w[0, :100] + 1})
     assert_bit_equal(store.load(3, lazy=False)["w"], w + 1)
 

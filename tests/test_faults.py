@@ -20,6 +20,7 @@ import amber_store as amber
 from amber_store import format as fmt
 from amber_store.history import History
 from amber_store.uri import MAP_MIN_BYTES, put_if_absent, put_object, resolve
+from amber_store.writer import Writer
 from conftest import flip_stored_byte, is_data_key, stored_chunk, save_at_once, assert_bit_equal, assert_tree_bit_equal
 
 
@@ -337,15 +338,15 @@ def test_a_writer_stops_once_another_writer_has_committed_after_it(make_store):
 def test_a_commit_by_another_writer_during_a_save_aborts_that_save(make_store, monkeypatch):
     a, rival = make_store(), make_store()
     a.save(1, {"x": torch.ones(3)})
-    original = amber.Store.seal
+    original = Writer.seal
 
     async def rival_commits_meanwhile(self, *args):
-        if self is a:
-            monkeypatch.setattr(amber.Store, "seal", original)
+        if self is a.writer:
+            monkeypatch.setattr(Writer, "seal", original)
             await asyncio.to_thread(rival.save, 5, {"x": torch.zeros(3)})
         return await original(self, *args)
 
-    monkeypatch.setattr(amber.Store, "seal", rival_commits_meanwhile)
+    monkeypatch.setattr(Writer, "seal", rival_commits_meanwhile)
     with pytest.raises(amber.ConcurrentWriterError, match="while step 2 was being saved"):
         a.save(2, {"x": torch.zeros(3)})
     assert make_store(mode="r").steps() == [1, 5]
