@@ -319,7 +319,11 @@ def test_sync_save_waits_for_pending_async_saves_in_order(tmp_path):
     assert_tree_bit_equal(reader.load(2, lazy=False), s2)
 
 
-def test_a_save_interrupted_by_ctrl_c_is_not_committed_and_the_store_saves_on(tmp_path):
+def test_a_save_interrupted_by_ctrl_c_is_not_committed_and_the_store_saves_on(tmp_path, request):
+    # A suite run as a background job (`make test &`) inherits SIGINT ignored, and Python keeps
+    # it so: Ctrl-C then does nothing, and this test's save waited out its 300 s deadline.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, handler))
     slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.0)
     store = amber.open(slow)
     s1, s2 = state(1), state(2)
@@ -328,10 +332,7 @@ def test_a_save_interrupted_by_ctrl_c_is_not_committed_and_the_store_saves_on(tm
     main = threading.main_thread().ident
 
     def interrupt() -> None:
-        # To the main thread, where a terminal's Ctrl-C lands (os.kill lets the kernel pick any
-        # thread). A CI run's save once waited out its 300 s deadline uninterrupted, cause
-        # unproven: either the signal missed the main thread or the save reached its writes
-        # after this thread's 30 s wait; neither can hang the test now.
+        # to the main thread, where a terminal's Ctrl-C lands
         if slow.held.wait(120):
             signal.pthread_kill(main, signal.SIGINT)
         else:
