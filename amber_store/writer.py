@@ -195,24 +195,25 @@ class Writer:
         diffs against that position (a lossless one under ``auto`` in a delta step) keeps no
         copy of its value (:meth:`kept_as_base`)."""
         doing.append("encoding and writing its data")
-        writer = self.step_writer(group, recycle=self.bases.recycle, deadline=deadline)
+        out = self.step_writer(group, recycle=self.bases.recycle, deadline=deadline)
         try:
-            self.add_tensors(writer, tensors, bases, depth, desc=f"save {step}")
-            return writer.finish()
+            self.add_tensors(out, tensors, bases, depth, desc=f"save {step}")
+            return out.finish()
         finally:
-            writer.close()
+            out.close()
 
-    def add_tensors(self, writer: StepWriter, tensors: dict[str, torch.Tensor], bases: dict[str, int], depth: int,
+    def add_tensors(self, out: StepWriter, tensors: dict[str, torch.Tensor], bases: dict[str, int], depth: int,
                     cache: BaseCache | None = None, desc: str | None = None) -> None:
-        """Add ``tensors`` to ``writer`` for a step at position ``depth`` of its segment, each with
-        its codec against its base (:meth:`tensor_bases`), keeping the values a later save may
-        diff against (:meth:`kept_as_base`); ``desc`` labels a progress bar (``progress=True``)."""
+        """Add ``tensors`` to the step writer ``out`` for a step at position ``depth`` of its
+        segment, each with its codec against its base (:meth:`tensor_bases`), keeping the values
+        a later save may diff against (:meth:`kept_as_base`); ``desc`` labels a progress bar
+        (``progress=True``)."""
         codecs = self.codecs_for(tensors)
         refs = self.tensor_bases(bases, codecs, cache)
         keep = self.kept_as_base(depth)
         items = tqdm(tensors.items(), desc=desc, unit="tensor", disable=desc is None or not self.progress)
         for key, tensor in items:
-            writer.add(key, tensor, refs.get(key), codecs[key], keep=keep[codecs[key].lossless])
+            out.add(key, tensor, refs.get(key), codecs[key], keep=keep[codecs[key].lossless])
 
     def codecs_for(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, DeltaCodec]:
         """The delta codec of each tensor under this store's codec policy."""
