@@ -1417,6 +1417,11 @@ def _effective(shuffle: Shuffle, typesize: int) -> Shuffle:
     return "noshuffle" if shuffle == "shuffle" and typesize == 1 else shuffle
 
 
+#: A blosc 1.x frame's header: version, versionlz, flags, typesize, then its uncompressed size,
+#: block size and frame size (little-endian uint32 each).
+_BLOSC_HEADER = 16
+
+
 def decompress(stored: Any, out: np.ndarray | None = None) -> np.ndarray | None:
     """Check a stored chunk's crc32c and decompress it (into the front of ``out``, a contiguous
     buffer at least the chunk's size, when given).
@@ -1441,11 +1446,6 @@ def decompress(stored: Any, out: np.ndarray | None = None) -> np.ndarray | None:
         return out
     except BloscError:
         return None
-
-
-#: A blosc 1.x frame's header: version, versionlz, flags, typesize, then its uncompressed size,
-#: block size and frame size (little-endian uint32 each).
-_BLOSC_HEADER = 16
 
 
 __all__ = [

@@ -149,16 +149,15 @@ def bench(name: str, state: dict[str, Any], full_every: int, repeats: int, root:
         # loads from the page cache: one untimed pass first reads back what the ~18 GB written
         # since (torch's files, three stores) may have pushed out of this VM's 24 GB (without
         # it, step 1's loads once took twice the deepest step's, which decodes as many layers)
-        for rep in range(3):
-            loads_now = {"torch.load": lambda: torch.load(ts_dir / f"{deepest}.pt", weights_only=True)}
-            for label, step in (("amber load full", 0), ("amber load depth 1", 1), ("amber load deepest", deepest)):
-                loads_now[label] = lambda step=step: amber.open(run, mode="r").load(step, lazy=False)
-            loads_now[XOR_LOAD] = lambda: amber.open(root / f"{name}-{r}-xor", mode="r").load(1, lazy=False)
-            for label, fn in loads_now.items():
-                if rep:
-                    loads[label].append(timed(fn))
-                else:
-                    fn()
+        cases = {"torch.load": lambda: torch.load(ts_dir / f"{deepest}.pt", weights_only=True)}
+        for label, step in (("amber load full", 0), ("amber load depth 1", 1), ("amber load deepest", deepest)):
+            cases[label] = lambda step=step: amber.open(run, mode="r").load(step, lazy=False)
+        cases[XOR_LOAD] = lambda: amber.open(root / f"{name}-{r}-xor", mode="r").load(1, lazy=False)
+        for fn in cases.values():
+            fn()
+        for _ in range(2):
+            for label, fn in cases.items():
+                loads[label].append(timed(fn))
         if r == 0:
             alloc, files = allocated(run)
             ts_alloc, ts_files = allocated(ts_dir)
