@@ -34,10 +34,9 @@ def _open(args: argparse.Namespace, mode: str = "r") -> Any:
 def _history(args: argparse.Namespace) -> Any:
     """The store's commits, read only, for commands that read no tensor: no torch import."""
     from .history import History
-    from .uri import connect
+    from .storage import connect
 
-    loc = connect(args.uri, _storage_options(args), read_only=True)
-    history = History(loc, loc.store)
+    history = History(connect(args.uri, _storage_options(args), read_only=True))
     _sync(history.require_root())
     return history
 

@@ -45,7 +45,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from . import format as fmt
@@ -196,7 +195,7 @@ class AmberStorageWriter(StorageWriter):
         metadata.storage_data = index_to_key
         blob = pickle.dumps(metadata)
         meta_key = f"{decision.group}/{_METADATA}"
-        sync(store.history.zstore.set(meta_key, default_buffer_prototype().buffer.from_bytes(blob)))
+        sync(store.history.backend.put_object(meta_key, [blob]))
         written.keys.append(meta_key)
         created = sync(store.writer.seal(decision.group, decision.step, written))
         manifest = Manifest(
@@ -307,7 +306,7 @@ class AmberStorageReader(StorageReader):
         dcp_info = manifest.extra.get("dcp")
         if not dcp_info:
             raise NotAnAmberStoreError(f"{store.uri}: step {step} was not written through torch.distributed.checkpoint")
-        raw = sync(store.history.zstore.get(dcp_info["metadata"], default_buffer_prototype()))
+        raw = sync(store.history.backend.get(dcp_info["metadata"]))
         if raw is None:
             raise CorruptDataError(f"{store.uri}: step {step}: DCP metadata is missing", step=step, tensor=_METADATA)
         metadata: Metadata = pickle.loads(raw.to_bytes())

@@ -14,15 +14,11 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Callable
 
-from zarr.abc.store import Store as ZarrStore
-from zarr.core.buffer import Buffer, default_buffer_prototype
-
 from . import format as fmt
-from . import uri
 from .errors import (ConcurrentWriterError, CorruptDataError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError,
                      StepNotFoundError, StepOrderError, StorageAccessError)
 from .format import Manifest, TensorEntry
-from .uri import Location, footprint, put_atomic, put_if_absent, storage_errors
+from .storage import Backend, storage_errors
 
 PINS_DIR = "pins"
 
@@ -63,8 +59,8 @@ def next_segment(prev: Manifest | None, bases: dict[str, int], step: int) -> lis
     return prev.segment + [step] if bases and prev is not None else [step]
 
 
-def json_buffer(obj: Any) -> Buffer:
-    return default_buffer_prototype().buffer.from_bytes(json.dumps(obj, separators=(",", ":")).encode())
+def json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 #: parsed manifests kept (the most recently used), at least; and at least twice the longest
@@ -81,9 +77,8 @@ class History:
     Concurrent requests for one manifest share a single read and parse.
     """
 
-    def __init__(self, loc: Location, zstore: ZarrStore) -> None:
-        self.loc = loc
-        self.zstore = zstore
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
         self.writer_id = uuid.uuid4().hex[:12]
         self.last_commit: int | None = None
         self._manifests: OrderedDict[int, asyncio.Future[Manifest]] = OrderedDict()
@@ -91,13 +86,13 @@ class History:
 
     @property
     def uri(self) -> str:
-        return self.loc.uri
+        return self.backend.uri
 
     # --- root -----------------------------------------------------------------------------
 
     async def root_version(self) -> int | None:
         """The root's format version, ``None`` for an empty location; refuses foreign data."""
-        raw = await self.zstore.get("zarr.json", default_buffer_prototype())
+        raw = await self.backend.get("zarr.json")
         if raw is None:
             return None
         attrs = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR)
@@ -118,8 +113,35 @@ class History:
         """The root group (format version: this code's) and the ``steps`` group below it, so
         stock zarr can walk from the root to every step."""
         root = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION}
-        await self.zstore.set("zarr.json", json_buffer(fmt.group_metadata({fmt.ROOT_ATTR: root})))
-        await self.zstore.set(f"{fmt.STEPS_DIR}/zarr.json", json_buffer(fmt.group_metadata()))
+        await self.backend.put_object("zarr.json", [json_bytes(fmt.group_metadata({fmt.ROOT_ATTR: root}))])
+        await self.backend.put_object(f"{fmt.STEPS_DIR}/zarr.json", [json_bytes(fmt.group_metadata())])
+
+    async def initialize(self, mode: str, exclusive_commits: bool) -> int:
+        """Open the store in ``mode`` (``"r"``, ``"a"`` or ``"w"``: wipe, then create): its root's
+        format version, after creating the root where there is none. With
+        ``exclusive_commits``, a writable store's backend must keep two writers from both
+        committing one step (:meth:`Backend.require_conditional_writes`)."""
+        if mode == "r":
+            return await self.require_root()
+        version = await self.root_version()
+        if version is None or mode == "w":
+            if version is not None:  # mode "w": only ever wipe what is recognisably ours
+                await self.backend.delete_dir("")
+            if not await self.backend.is_empty():
+                raise NotAnAmberStoreError(f"{self.uri}: not empty and not an amber-store; refusing to write into it")
+            await self.write_root()
+            version = fmt.FORMAT_VERSION
+        if exclusive_commits:
+            # Only once the store holds its root: some servers (SeaweedFS) leave an empty
+            # folder marker behind the deleted probe object.
+            await self.backend.require_conditional_writes()
+        return version
+
+    def close(self) -> None:
+        """Drop cached manifests and close the storage client's connections (a later request
+        connects again)."""
+        self.forget()
+        self.backend.close()
 
     def check_version(self, version: Any) -> None:
         if not isinstance(version, int) or version > fmt.FORMAT_VERSION:
@@ -132,7 +154,7 @@ class History:
 
     async def steps(self) -> list[int]:
         with storage_errors(self.uri, "listing the committed steps"):
-            names = [n async for n in self.zstore.list_dir(fmt.COMMITS_DIR)]
+            names = [n async for n in self.backend.list_dir(fmt.COMMITS_DIR)]
         return sorted(s for s in map(fmt.parse_commit_key, names) if s is not None)
 
     async def manifest(self, step: int) -> Manifest:
@@ -151,7 +173,7 @@ class History:
 
     async def _read_manifest(self, step: int) -> Manifest:
         with storage_errors(self.uri, f"reading the manifest of step {step}"):
-            raw = await self.zstore.get(fmt.commit_key(step), default_buffer_prototype())
+            raw = await self.backend.get(fmt.commit_key(step))
         if raw is None:
             known = await self.steps()
             hint = f"committed steps: {known[:5]}{'...' if len(known) > 5 else ''}" if known else "the store is empty"
@@ -253,11 +275,10 @@ class History:
 
     async def commit(self, manifest: Manifest, latest: int | None) -> None:
         """Create the manifest exclusively: the commit point. ``latest`` is the newest step the
-        writer saw when it began; a newer one now means another writer interleaved. On S3 the
-        commit gives up after :data:`~amber_store.uri.S3_PUT_TIMEOUT`, its outcome unknown."""
-        create = self._create(manifest, latest)
+        writer saw when it began; a newer one now means another writer interleaved. On an object
+        store the commit gives up after the backend's ``put_timeout``, its outcome unknown."""
         try:
-            await (asyncio.wait_for(create, uri.S3_PUT_TIMEOUT) if self.loc.scheme == "s3" else create)
+            await self.backend.bounded(self._create(manifest, latest))
         except (TimeoutError, asyncio.TimeoutError) as e:
             raise StorageAccessError(
                 f"{self.uri}: the commit of step {manifest.step} got no answer in time: it may or may not "
@@ -280,7 +301,7 @@ class History:
                 f"while step {manifest.step} was being saved; step {manifest.step} is not newer and was not committed"
             )
         key = fmt.commit_key(manifest.step)
-        if not await put_if_absent(self.loc, key, manifest.to_json()) and not await self._is_ours(key, manifest):
+        if not await self.backend.put_if_absent(key, manifest.to_json()) and not await self._is_ours(key, manifest):
             raise ConcurrentWriterError(
                 f"{self.uri}: another writer committed step {manifest.step} first; this save "
                 f"(attempt {manifest.attempt}) was not committed and its data is orphaned"
@@ -289,7 +310,7 @@ class History:
     async def _is_ours(self, key: str, manifest: Manifest) -> bool:
         """Whether an existing commit object is this very attempt (a retried request that had
         in fact succeeded before its connection failed)."""
-        raw = await self.zstore.get(key, default_buffer_prototype())
+        raw = await self.backend.get(key)
         return raw is not None and Manifest.from_json(raw.to_bytes()).attempt == manifest.attempt
 
     async def check_sole_writer(self, latest: int | None) -> None:
@@ -318,11 +339,11 @@ class History:
 
     async def replace(self, manifest: Manifest) -> None:
         """Atomically replace a committed step's manifest (retention's fold)."""
-        await put_atomic(self.loc, fmt.commit_key(manifest.step), manifest.to_json())
+        await self.backend.put(fmt.commit_key(manifest.step), manifest.to_json())
         self.remember(manifest)
 
     async def uncommit(self, step: int) -> None:
-        await self.zstore.delete(fmt.commit_key(step))
+        await self.backend.delete(fmt.commit_key(step))
         self._manifests.pop(step, None)
 
     # --- reports (metadata only) ---------------------------------------------------------
@@ -374,29 +395,29 @@ class History:
                 group = key.split("/", 1)[0]
                 by_group[group] = by_group.get(group, 0) + e.stored
         return {"total": sum(by_step.values()), "steps": by_step, "groups": by_group,
-                "storage": await footprint(self.loc)}
+                "storage": await self.backend.footprint()}
 
     # --- pins ---------------------------------------------------------------------------
 
     async def pins(self) -> dict[str, int]:
         out = {}
-        async for name in self.zstore.list_dir(PINS_DIR):
+        async for name in self.backend.list_dir(PINS_DIR):
             if name.endswith(".json"):
-                raw = await self.zstore.get(f"{PINS_DIR}/{name}", default_buffer_prototype())
+                raw = await self.backend.get(f"{PINS_DIR}/{name}")
                 if raw is not None:
                     out[name[: -len(".json")]] = int(json.loads(raw.to_bytes())["step"])
         return out
 
     async def pin(self, step: int, name: str) -> None:
         await self.manifest(step)
-        await put_atomic(self.loc, pin_key(name), json.dumps({"step": step}).encode())
+        await self.backend.put(pin_key(name), json.dumps({"step": step}).encode())
 
     async def unpin(self, name: str) -> None:
         key = pin_key(name)
-        if not await self.zstore.exists(key):
+        if not await self.backend.exists(key):
             pins = await self.pins()
             raise PinNotFoundError(f"{self.uri}: no pin named {name!r} (pins: {', '.join(sorted(pins)) or 'none'})")
-        await self.zstore.delete(key)
+        await self.backend.delete(key)
 
 
 def _full_in_delta(e: TensorEntry, was: TensorEntry | None, base: Manifest | None) -> str | None:

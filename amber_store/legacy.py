@@ -44,7 +44,7 @@ class LegacyReader:
         arr = self._arrays.get(path)
         if arr is None:
             try:
-                arr = await AsyncArray.open(StorePath(self.history.zstore, path))
+                arr = await AsyncArray.open(StorePath(self.history.backend.store, path))
             except (FileNotFoundError, KeyError, ValueError) as e:
                 raise self._corrupt(step, key, f"array {path} is missing or unreadable ({e})") from None
             self._arrays[path] = arr

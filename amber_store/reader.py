@@ -18,7 +18,6 @@ from typing import Any, Iterable
 import crc32c
 import numpy as np
 from zarr.abc.store import RangeByteRequest
-from zarr.core.buffer import default_buffer_prototype
 
 from . import format as fmt
 from . import legacy
@@ -26,14 +25,14 @@ from .codecs import DELTA_ENCODINGS, codec_pool, decompress, scratch
 from .errors import CorruptDataError, StepNotFoundError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
 from .history import History
-from .uri import storage_errors
+from .storage import storage_errors
 
 # Chunks below this are decoded on the event loop: a thread hop costs more than the work.
 _INLINE_BYTES = 64 << 10
 
 #: A whole-step read fetches each object up to this size with one request; a bigger one is
 #: range-read chunk by chunk, so that its chunks arrive (and decode) concurrently, as s3fs would
-#: fetch a big object (:class:`amber_store.uri.S3ObjectStore`).
+#: fetch a big object (:class:`amber_store.storage.objectstore.WholeObjectStore`).
 WHOLE_OBJECT_BYTES = 64 << 20
 
 
@@ -52,10 +51,6 @@ class Reader:
         self.history = history
         self.verify = verify
         self._legacy = legacy.LegacyReader(history)
-
-    @property
-    def _zstore(self) -> Any:
-        return self.history.zstore
 
     def _corrupt(self, step: int, key: str, what: str, chunk: tuple[int, ...] | None = None) -> CorruptDataError:
         return CorruptDataError.at(self.history.uri, step, key, what, chunk)
@@ -116,7 +111,7 @@ class Reader:
         if not stored or sum(n for _, n in stored) > WHOLE_OBJECT_BYTES:
             return None
         assert entry.array is not None
-        raw = await self._zstore.get(fmt.shard_key(entry.array, len(entry.shape)), default_buffer_prototype())
+        raw = await self.history.backend.get(fmt.shard_key(entry.array, len(entry.shape)))
         if raw is None:
             raise self._corrupt(step, key, f"object of array {entry.array} is missing")
         return raw.as_numpy_array()
@@ -133,8 +128,8 @@ class Reader:
             if objects is not None and objects[i] is not None:
                 return objects[i][loc[0]: loc[0] + loc[1]]
             assert le.array is not None
-            raw = await self._zstore.get(fmt.shard_key(le.array, len(le.shape)), default_buffer_prototype(),
-                                         RangeByteRequest(loc[0], loc[0] + loc[1]))
+            raw = await self.history.backend.get(fmt.shard_key(le.array, len(le.shape)),
+                                                 RangeByteRequest(loc[0], loc[0] + loc[1]))
             if raw is None:
                 raise self._corrupt(s, key, f"object of array {le.array} is missing", idx)
             return raw.as_numpy_array()
@@ -233,8 +228,7 @@ class Reader:
         index = info["index"][first:stop]
         lo, hi = index[0][0], index[-1][0] + index[-1][1]
         whole = first == 0 and stop == len(info["index"])
-        raw = await self._zstore.get(fmt.shard_key(info["array"], 1), default_buffer_prototype(),
-                                     None if whole else RangeByteRequest(lo, hi))
+        raw = await self.history.backend.get(fmt.shard_key(info["array"], 1), None if whole else RangeByteRequest(lo, hi))
         # A packed tensor is a single chunk of its own grid.
         chunk = (0,) * len(m.tensors[key].shape) if key in m.tensors else None
         if raw is None:

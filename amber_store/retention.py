@@ -33,7 +33,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 import torch
-from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from . import format as fmt
@@ -293,7 +292,7 @@ def _referenced(manifests: list[Manifest]) -> tuple[set[str], set[str]]:
 async def _maybe_in_progress(history: History, group: str, grace_seconds: float) -> bool:
     """A group of a step newer than the latest commit is spared while it is young: a save may
     be writing it right now. Its creation time is in its zarr.json."""
-    raw = await history.zstore.get(f"{group}/zarr.json", default_buffer_prototype())
+    raw = await history.backend.get(f"{group}/zarr.json")
     if raw is None:
         return True
     created = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR, {}).get("created")
@@ -307,7 +306,7 @@ async def _unreferenced(history: History, keep: list[int], all_steps: list[int],
     latest = all_steps[-1] if all_steps else -1
     spared: dict[str, bool] = {}
     garbage = []
-    async for key in history.zstore.list_prefix(f"{fmt.STEPS_DIR}/"):
+    async for key in history.backend.list_prefix(f"{fmt.STEPS_DIR}/"):
         group = key.split("/")[1] if key.count("/") >= 1 else ""
         m = _GROUP.fullmatch(group)
         if m is None:
@@ -344,6 +343,6 @@ async def _delete_all(history: History, keys: list[str]) -> None:
 
     async def one(k: str) -> None:
         async with sem:
-            await history.zstore.delete(k)
+            await history.backend.delete(k)
 
     await gather(one(k) for k in keys)

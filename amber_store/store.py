@@ -32,14 +32,15 @@ from . import format as fmt
 from . import export as export_
 from . import retention
 from .codecs import CodecPolicy, Compression, Policy
-from .errors import AmberError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError, StorageAccessError
+from .errors import AmberError, CorruptDataError, StepNotFoundError, StepOrderError, StorageAccessError
 from .format import Manifest
 from .history import BASE_POLICIES, History
 from .lazy import LazyStateDict, LazyTensor, materialize
 from .pipeline import Background, Snapshots, event_loop
 from .reader import Reader, ReadSession, gather
 from .retention import GCReport
-from .uri import Location, connect, is_storage_error, require_conditional_writes
+from .storage import Backend, connect, is_storage_error
+from .storage.zarrstore import ZarrStoreBackend
 from .writer import BasePolicy, Writer
 
 Mode = Literal["r", "a", "w"]
@@ -121,17 +122,18 @@ class Store:
             it fails with :class:`StorageAccessError` (nothing committed; the next save may go
             on), so a hung storage server cannot hang training. ``"auto"`` (default): 300 s plus
             1 s per 20 MB of state; ``None``: no deadline. Every S3 request is bounded as well
-            (:data:`amber_store.uri.S3_TIMEOUTS`), the commit by
-            :data:`amber_store.uri.S3_PUT_TIMEOUT`.
-        single_writer: on S3, skip the check at ``open`` that the server honours conditional
-            writes (``If-None-Match``), which keep two writers from both committing one step.
+            (:data:`amber_store.storage.s3.S3_TIMEOUTS`), the commit and other metadata writes
+            by the backend's ``put_timeout``.
+        single_writer: on an object store, skip the check at ``open`` that the server honours
+            conditional writes (``If-None-Match``, GCS's ``ifGenerationMatch``), which keep two
+            writers from both committing one step.
             Set it only for a server without them (rclone, MinIO before late 2024) and a store
             that one process writes at a time.
     """
 
     def __init__(
         self,
-        location: Location,
+        backend: Backend,
         *,
         mode: Mode = "a",
         full_every: int = 10,
@@ -156,12 +158,11 @@ class Store:
             raise ValueError(f"base_policy must be one of {sorted(BASE_POLICIES)}, not {base_policy!r}")
         if not (save_timeout in ("auto", None) or (isinstance(save_timeout, (int, float)) and save_timeout > 0)):
             raise ValueError(f"save_timeout must be 'auto', None or a positive number of seconds, not {save_timeout!r}")
-        self._loc = location
         self.mode: Mode = mode
         self.single_writer = single_writer
-        self.history = History(location, location.store)
+        self.history = History(backend)
         self.reader = Reader(self.history, verify=verify_checksums)
-        self.writer = Writer(location, self.history, self.reader, full_every=full_every, base_policy=base_policy,
+        self.writer = Writer(self.history, self.reader, full_every=full_every, base_policy=base_policy,
                              chunk_bytes=chunk_bytes, pack_threshold=pack_threshold,
                              compression=Compression(compressor, compression_level), durable=durable,
                              progress=progress, policy=Policy(codec), max_inflight_bytes=max_inflight_bytes,
@@ -172,13 +173,13 @@ class Store:
         self._snapshots = Snapshots(snapshot)
         self._walked = fmt.FlattenMemo()  # the last state saved, as flatten found it
         self._saving = threading.Lock()  # one save at a time: its checks against the history assume so
-        sync(self._init_root())
+        self.writer.root_version = sync(self.history.initialize(mode, exclusive_commits=not single_writer))
 
     # --- opening ------------------------------------------------------------------------
 
     @property
     def uri(self) -> str:
-        return self._loc.uri
+        return self.history.uri
 
     @property
     def verify_checksums(self) -> bool:
@@ -186,29 +187,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"amber_store.Store({self.uri!r}, mode={self.mode!r})"
-
-    async def _init_root(self) -> None:
-        await self._create_root()
-        if self.mode != "r" and not self.single_writer:
-            # Inside the store's prefix, and only once it holds the root: some servers
-            # (SeaweedFS) leave an empty folder marker behind the deleted probe object.
-            await require_conditional_writes(self._loc)
-
-    async def _create_root(self) -> None:
-        zstore = self._loc.store
-        if self.mode == "r":
-            self.writer.root_version = await self.history.require_root()
-            return
-        version = await self.history.root_version()
-        if version is not None and self.mode != "w":
-            self.writer.root_version = version
-            return
-        if version is not None:  # mode "w": only ever wipe what is recognisably ours
-            await zstore.delete_dir("")
-        if not await zstore.is_empty(""):
-            raise NotAnAmberStoreError(f"{self.uri}: not empty and not an amber-store; refusing to write into it")
-        await self.history.write_root()
-        self.writer.root_version = fmt.FORMAT_VERSION
 
     def close(self) -> None:
         """Wait for pending async saves (and a save of another thread), then drop cached state
@@ -223,8 +201,7 @@ class Store:
 
     def _release(self) -> None:
         self.writer.bases.clear()
-        self.history.forget()
-        self._loc.close()
+        self.history.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -501,8 +478,6 @@ def open(
     """
     if mode not in ("r", "a", "w"):
         raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")
-    if isinstance(uri, ZarrStore):
-        loc = Location(uri, repr(uri), "zarr")
-    else:
-        loc = connect(uri, storage_options, read_only=mode == "r")
-    return Store(loc, mode=mode, **options)
+    backend = ZarrStoreBackend(uri) if isinstance(uri, ZarrStore) else connect(uri, storage_options,
+                                                                                read_only=mode == "r")
+    return Store(backend, mode=mode, **options)

@@ -27,10 +27,10 @@ from . import format as fmt
 from .codecs import Compression, DeltaCodec, Policy
 from .errors import ConcurrentWriterError, StepOrderError, StorageAccessError
 from .format import Manifest, TensorEntry
-from .history import PARENTS, History, json_buffer, next_segment, parent_policies, parent_policy, step_base
+from .history import PARENTS, History, json_bytes, next_segment, parent_policies, parent_policy, step_base
 from .pipeline import Base, BaseCache, StepWriter, Written, writer_pool
 from .reader import Reader, ReadSession, gather
-from .uri import Location, is_storage_error, make_durable, put_object
+from .storage import is_storage_error
 
 BasePolicy = Literal["auto", "log", "chain", "full"]
 #: save_timeout="auto": this many seconds, plus one per AUTO_TIMEOUT_RATE bytes of state.
@@ -45,11 +45,11 @@ class Writer:
     arguments of the same names), keeping in memory the values later deltas diff against
     (:attr:`bases`)."""
 
-    def __init__(self, location: Location, history: History, reader: Reader, *, full_every: int,
+    def __init__(self, history: History, reader: Reader, *, full_every: int,
                  base_policy: BasePolicy, chunk_bytes: int | None, pack_threshold: int, compression: Compression,
                  durable: bool, progress: bool, policy: Policy, max_inflight_bytes: int,
                  save_timeout: float | Literal["auto"] | None) -> None:
-        self._loc = location
+        self.backend = history.backend
         self.history = history
         self.reader = reader
         self.full_every = full_every
@@ -115,7 +115,7 @@ class Writer:
     async def discard(self, group: str) -> None:
         """Delete an attempt group that is never committed (best effort, bounded in time)."""
         with suppress(Exception):
-            await asyncio.wait_for(self._loc.store.delete_dir(group), DISCARD_TIMEOUT)
+            await asyncio.wait_for(self.backend.delete_dir(group), DISCARD_TIMEOUT)
 
     async def _stage(self, step: int, group: str, tree: dict[str, Any], tensors: dict[str, torch.Tensor],
                      full: bool | None, t0: float, deadline: float | None, metrics: dict[str, float],
@@ -235,7 +235,7 @@ class Writer:
 
     def step_writer(self, group: str, pack_name: str = fmt.PACK_PREFIX, **kwargs: Any) -> StepWriter:
         """A writer of tensors into the attempt group ``group`` with this store's options."""
-        return StepWriter(functools.partial(put_object, self._loc, durable=self.durable), group,
+        return StepWriter(functools.partial(self.backend.put_object, durable=self.durable), group,
                           chunk_bytes=self.chunk_bytes, pack_threshold=self.pack_threshold,
                           compression=self.compression, max_inflight_bytes=self._max_inflight, pack_name=pack_name,
                           **kwargs)
@@ -243,7 +243,7 @@ class Writer:
     async def open_group(self, group: str, step: int) -> None:
         """Create the attempt group before its data, stamped with its start time, so retention
         can tell a save in progress from the remains of a crashed one (``grace_seconds``)."""
-        await self._loc.store.set(f"{group}/zarr.json", json_buffer(fmt.step_group_metadata(step, time.time(), {})))
+        await self.backend.put_object(f"{group}/zarr.json", [json_bytes(fmt.step_group_metadata(step, time.time(), {}))])
 
     async def seal(self, group: str, step: int, written: Written) -> float:
         """Write the group's zarr.json (with the consolidated metadata of its arrays), then make
@@ -251,9 +251,9 @@ class Writer:
         the commit is left."""
         created = time.time()
         key = f"{group}/zarr.json"
-        await self._loc.store.set(key, json_buffer(fmt.step_group_metadata(step, created, written.arrays)))
+        await self.backend.put_object(key, [json_bytes(fmt.step_group_metadata(step, created, written.arrays))])
         if self.durable:
-            await make_durable(self._loc, written.keys + [key])
+            await self.backend.make_durable(written.keys + [key])
         return created
 
     def bases_for(self, base: Manifest, keys: list[str], cache: BaseCache | None = None) -> dict[str, Base | None]:

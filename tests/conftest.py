@@ -166,7 +166,7 @@ def all_keys(store: amber.Store, prefix: str = "") -> list[str]:
     """Every key of a store's location below ``prefix``."""
     from zarr.core.sync import collect_aiterator
 
-    return list(collect_aiterator(store.history.zstore.list_prefix(prefix)))
+    return list(collect_aiterator(store.history.backend.list_prefix(prefix)))
 
 
 def stored_chunk(root: Any, store: amber.Store, step: int, key: str) -> tuple[Any, int, int]:

@@ -86,7 +86,7 @@ def test_export_and_import_round_trip_through_files(filled, tmp_path):
 def test_errors_exit_2_with_a_one_line_message(filled, tmp_path):
     cases = [
         (("ls", "nosuch://x"), "unsupported URI scheme"),
-        (("ls", "ftp://x"), "unsupported URI scheme 'ftp'; use a local path, file://, memory:// or s3://"),
+        (("ls", "ftp://x"), "unsupported URI scheme 'ftp'; use a local path, file://, memory://, s3://"),
         (("info", str(filled), "11"), "step 11 is not committed"),
         (("ls", str(tmp_path / "missing")), "nothing to read"),
         (("export", str(filled), "10", str(tmp_path / "x.unknown")), "(CLI: --format)"),

@@ -12,14 +12,15 @@ import threading
 
 import pytest
 import torch
-from zarr.core.buffer import Buffer, default_buffer_prototype
+from zarr.core.buffer import Buffer
 from zarr.core.sync import sync
 from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
 from amber_store import format as fmt
 from amber_store.history import History
-from amber_store.uri import MAP_MIN_BYTES, put_if_absent, put_object, resolve
+from amber_store.storage import resolve
+from amber_store.storage.local import MAP_MIN_BYTES
 from amber_store.writer import Writer
 from conftest import flip_stored_byte, is_data_key, stored_chunk, save_at_once, assert_bit_equal, assert_tree_bit_equal
 
@@ -126,8 +127,8 @@ def test_large_local_objects_are_read_mapped_and_a_truncated_one_is_reported_as_
     store.save(2, {"w": w2})
     path = stored_chunk(tmp_path / "ckpt", store, 2, "w")[0]
     assert path.stat().st_size >= MAP_MIN_BYTES
-    zstore = local_store(mode="r").history.zstore
-    got = sync(zstore.get(str(path.relative_to(tmp_path / "ckpt")), default_buffer_prototype()))
+    backend = local_store(mode="r").history.backend
+    got = sync(backend.get(str(path.relative_to(tmp_path / "ckpt"))))
     base = got.as_numpy_array()
     while not isinstance(base, mmap.mmap):  # a view of the mapped file, not a copy
         base = base.obj if isinstance(base, memoryview) else base.base
@@ -143,15 +144,15 @@ def test_large_local_objects_are_read_mapped_and_a_truncated_one_is_reported_as_
 def test_a_mapped_read_keeps_its_bytes_when_the_object_is_replaced_or_deleted(tmp_path):
     # amber-store writes every object aside and renames it into place, never in place, so a
     # mapping taken by a reader stays valid (and unchanged) whatever happens to the name.
-    loc = resolve(tmp_path)
+    backend = resolve(tmp_path)
     first, second = os.urandom(MAP_MIN_BYTES + 1), os.urandom(MAP_MIN_BYTES + 1)
-    sync(put_object(loc, "obj", [first[:1000], first[1000:]], durable=True))
-    got = sync(loc.store.get("obj", default_buffer_prototype()))
-    sync(put_object(loc, "obj", [second], durable=False))
+    sync(backend.put_object("obj", [first[:1000], first[1000:]], durable=True))
+    got = sync(backend.get("obj"))
+    sync(backend.put_object("obj", [second], durable=False))
     assert got.to_bytes() == first
-    assert sync(loc.store.get("obj", default_buffer_prototype())).to_bytes() == second
+    assert sync(backend.get("obj")).to_bytes() == second
     (tmp_path / "obj").unlink()
-    assert got.to_bytes() == first and sync(loc.store.get("obj", default_buffer_prototype())) is None
+    assert got.to_bytes() == first and sync(backend.get("obj")) is None
 
 
 def test_unknown_step_and_empty_store_raise_step_not_found(make_store):
@@ -275,11 +276,14 @@ def test_a_commit_whose_answer_was_lost_is_adopted_by_its_writer_which_saves_on(
     states = {k: {"x": torch.full((64,), float(k))} for k in (1, 2, 3)}
     store.save(1, states[1])
 
-    async def stored_then_connection_lost(loc, key, data):
-        await put_if_absent(loc, key, data)
+    backend = store.history.backend
+    real = backend.put_if_absent
+
+    async def stored_then_connection_lost(key, data):
+        await real(key, data)
         raise ConnectionResetError("the server stored the manifest, then its answer was lost")
 
-    monkeypatch.setattr("amber_store.history.put_if_absent", stored_then_connection_lost)
+    monkeypatch.setattr(backend, "put_if_absent", stored_then_connection_lost)
     with pytest.raises(amber.StorageAccessError, match="saving step 2 failed"):
         store.save(2, states[2])
     monkeypatch.undo()
@@ -297,12 +301,14 @@ def test_a_commit_that_timed_out_and_lands_during_the_next_save_is_adopted_by_it
     states = {k: {"x": torch.full((64,), float(k))} for k in (1, 2, 3, 4)}
     store.save(1, states[1])
     sent = []
+    backend = store.history.backend
+    real = backend.put_if_absent
 
-    async def no_answer_in_time(loc, key, data):
-        sent.append((loc, key, data))  # the request is still on its way
+    async def no_answer_in_time(key, data):
+        sent.append((key, data))  # the request is still on its way
         raise TimeoutError
 
-    monkeypatch.setattr("amber_store.history.put_if_absent", no_answer_in_time)
+    monkeypatch.setattr(backend, "put_if_absent", no_answer_in_time)
     with pytest.raises(amber.StorageAccessError, match=f"commit of step {late} got no answer in time"):
         store.save(late, states[late])
     monkeypatch.undo()
@@ -310,7 +316,7 @@ def test_a_commit_that_timed_out_and_lands_during_the_next_save_is_adopted_by_it
 
     async def lands_meanwhile(self, manifest, latest):  # after the next save listed the steps
         if sent:
-            await put_if_absent(*sent.pop())
+            await real(*sent.pop())
         return await original(self, manifest, latest)
 
     monkeypatch.setattr(History, "_create", lands_meanwhile)
@@ -359,9 +365,10 @@ def test_commit_objects_are_created_exclusively_under_racing_writers(make_store)
 
     store = make_store()
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda i: sync(put_if_absent(store._loc, "commits/race.json", b"%d" % i)), range(8)))
+        results = list(pool.map(lambda i: sync(store.history.backend.put_if_absent("commits/race.json", b"%d" % i)),
+                                range(8)))
     assert results.count(True) == 1
-    assert sync(put_if_absent(store._loc, "commits/race.json", b"late")) is False
+    assert sync(store.history.backend.put_if_absent("commits/race.json", b"late")) is False
 
 
 def test_a_store_reopened_in_a_new_process_reads_everything_back(local_store, tmp_path):
@@ -411,9 +418,11 @@ def test_a_412_without_a_condition_in_its_body_means_the_commit_object_exists():
     # raises OSError(EINVAL) from botocore's ClientError, not FileExistsError (seen on SeaweedFS).
     from botocore.exceptions import ClientError
 
-    from amber_store.uri import Location
+    from amber_store.storage.s3 import S3Backend
 
     class LosingS3:
+        async_impl = asynchronous = True
+
         async def _pipe_file(self, path, data, mode, **kwargs):
             error = ClientError({"Error": {"Code": "PreconditionFailed", "Message": "At least one of the "
                                            "pre-conditions you specified did not hold"},
@@ -421,12 +430,14 @@ def test_a_412_without_a_condition_in_its_body_means_the_commit_object_exists():
             raise OSError(22, "At least one of the pre-conditions you specified did not hold") from error
 
     class BrokenS3:
+        async_impl = asynchronous = True
+
         async def _pipe_file(self, path, data, mode, **kwargs):
             raise OSError(5, "connection reset")
 
-    assert asyncio.run(put_if_absent(Location(None, "s3://b/x", "s3", LosingS3(), "b/x"), "k", b"m")) is False
+    assert asyncio.run(S3Backend(LosingS3(), "b/x", "s3://b/x", False).put_if_absent("k", b"m")) is False
     with pytest.raises(OSError, match="connection reset"):
-        asyncio.run(put_if_absent(Location(None, "s3://b/x", "s3", BrokenS3(), "b/x"), "k", b"m"))
+        asyncio.run(S3Backend(BrokenS3(), "b/x", "s3://b/x", False).put_if_absent("k", b"m"))
 
 
 def test_a_damaged_chunk_in_an_eager_load_raises_once_with_its_chunk_and_nothing_else_is_printed(local_store, tmp_path):

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import amber_store as amber
-from amber_store import history, pipeline
-from amber_store import uri as amber_uri
+from amber_store import pipeline
+from amber_store.storage.s3 import S3Backend, s3_options
 from backends.s3servers import RcloneS3, free_port
 from conftest import BUCKET, assert_tree_bit_equal, save_at_once
 
@@ -134,14 +134,14 @@ def test_racing_writers_commit_exactly_one_and_the_loser_gets_concurrent_writer_
     opts = s3_server.storage_options()
     amber.open(s3_uri, opts).save(0, state(0))
     barrier = threading.Barrier(2, timeout=60)
-    real = history.put_if_absent
+    real = S3Backend.put_if_absent
 
-    async def at_once(loc, key, data):  # both writers create the manifest at the same moment
+    async def at_once(self, key, data):  # both writers create the manifest at the same moment
         if key.startswith("commits/"):
             await asyncio.to_thread(barrier.wait)  # not on the event loop both writers share
-        return await real(loc, key, data)
+        return await real(self, key, data)
 
-    monkeypatch.setattr(history, "put_if_absent", at_once)
+    monkeypatch.setattr(S3Backend, "put_if_absent", at_once)
     for step in range(1, 9):
         stores = [amber.open(s3_uri, opts), amber.open(s3_uri, opts)]
         states = [state(100 * step), state(100 * step + 1)]
@@ -156,7 +156,7 @@ def test_a_commit_whose_answer_was_lost_and_whose_retry_finds_its_own_manifest_s
                                                                                        monkeypatch):
     opts = s3_server.storage_options()
     store = amber.open(s3_uri, opts)
-    fs = store._loc.fs
+    fs = store.history.backend.fs
     real = fs._call_s3
     retried = []
 
@@ -179,21 +179,22 @@ def test_a_commit_to_a_server_that_stops_answering_fails_in_bounded_time_and_the
     opts = own_s3_server.storage_options()
     store = amber.open(s3_uri, opts)
     store.save(1, state(1))
-    real = history.put_if_absent
+    backend = store.history.backend
+    real = backend.put_if_absent
 
     async def freeze_first(*args, **kwargs):  # the server hangs just as the commit is sent
         own_s3_server.freeze()
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(history, "put_if_absent", freeze_first)
-    monkeypatch.setattr(amber_uri, "S3_PUT_TIMEOUT", 2.0)  # a PUT gets no read timeout from botocore
+    monkeypatch.setattr(backend, "put_if_absent", freeze_first)
+    monkeypatch.setattr(backend, "put_timeout", 2.0)  # a PUT gets no read timeout from botocore
     t0 = time.monotonic()
     with pytest.raises(amber.StorageAccessError, match=r"commit of step 2 got no answer in time: it may or may not "
                                                        r"have landed"):
         store.save(2, state(2))
     assert time.monotonic() - t0 < 30
     own_s3_server.thaw()
-    monkeypatch.setattr(history, "put_if_absent", real)
+    monkeypatch.setattr(backend, "put_if_absent", real)
     store.save(3, state(3))
     reader = amber.open(s3_uri, opts, mode="r")
     assert reader.steps() in ([1, 3], [1, 2, 3])  # step 2 either never landed or landed whole
@@ -205,7 +206,7 @@ def test_a_server_that_ignores_conditional_writes_is_refused_for_writing_unless_
     with RcloneS3() as server:
         server.create_bucket(BUCKET)
         uri, opts = f"s3://{BUCKET}/run", server.storage_options()
-        with pytest.raises(amber.UnsafeStorageError, match=rf"{uri}: the S3 server at {server.endpoint} ignores "
+        with pytest.raises(amber.UnsafeStorageError, match=rf"{uri}: the server at {server.endpoint} ignores "
                                                            r"conditional writes .* single_writer=True"):
             amber.open(uri, opts)
         s = state(4)
@@ -256,7 +257,7 @@ def test_an_eager_load_gets_each_object_once_and_never_asks_for_sizes(s3_server,
         writer.save(2, state(1))
     with amber.open(s3_uri, opts, mode="r") as reader:
         calls: list[tuple[str, str]] = []
-        reader.history.zstore.fs.s3.meta.events.register(
+        reader.history.backend.fs.s3.meta.events.register(
             "before-parameter-build.s3", lambda model, params, **_: calls.append((model.name, params.get("Key", ""))))
         assert_tree_bit_equal(reader.load(2, lazy=False), state(1))
     gets = [key for name, key in calls if name == "GetObject"]
@@ -269,7 +270,7 @@ def test_a_delta_save_lists_the_commits_twice_and_writes_each_object_once(s3_ser
     with amber.open(s3_uri, opts, pack_threshold=0) as writer:
         writer.save(1, state(0))
         calls: list[tuple[str, str]] = []
-        writer.history.zstore.fs.s3.meta.events.register(
+        writer.history.backend.fs.s3.meta.events.register(
             "before-parameter-build.s3",
             lambda model, params, **_: calls.append((model.name, params.get("Key", params.get("Prefix", "")))))
         writer.save(2, state(1))
@@ -307,7 +308,7 @@ def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_s
     async def crash(*args, **kwargs):
         raise ConnectionResetError("process killed before the commit")
 
-    monkeypatch.setattr("amber_store.history.put_if_absent", crash)
+    monkeypatch.setattr(store.history.backend, "put_if_absent", crash)
     with pytest.raises(amber.StorageAccessError):
         store.save(2, state(2))
     monkeypatch.undo()
@@ -431,5 +432,5 @@ def test_an_http_endpoint_is_used_without_loading_a_ca_bundle(s3_server, s3_uri,
         store.save(1, s)
     assert_tree_bit_equal(amber.open(s3_uri, s3_server.storage_options(), mode="r").load(1, lazy=False), s)
     assert loaded == []  # plain HTTP has no certificate to check
-    https = amber_uri._s3_options({"endpoint_url": "https://s3.example.com"})["client_kwargs"]
+    https = s3_options({"endpoint_url": "https://s3.example.com"})["client_kwargs"]
     assert "verify" not in https  # TLS endpoints keep botocore's verification

@@ -16,7 +16,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..uri import replace_file
+from ..storage.local import replace_file
 
 MAGIC = b'{"amber_store_checkpoint":'
 

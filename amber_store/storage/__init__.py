@@ -1,0 +1,18 @@
+"""Where a store's objects live: one :class:`Backend` per kind of storage, chosen by the URI.
+
+=================================  ===========================================================
+``/path``, ``file:///path``        :mod:`~amber_store.storage.local` (NVMe, shared filesystems)
+``memory://name``                  :mod:`~amber_store.storage.memory` (this process)
+``s3://bucket/prefix``             :mod:`~amber_store.storage.s3` (AWS S3, MinIO, SeaweedFS)
+a zarr store object                :mod:`~amber_store.storage.zarrstore` (zarr's API as it is)
+=================================  ===========================================================
+
+:data:`~amber_store.storage.registry.BACKENDS` maps schemes to classes; only History and the
+Writer hold a backend, and nothing else looks at a scheme.
+"""
+
+from .base import Backend, is_storage_error, reason, storage_errors
+from .registry import BACKENDS, SUPPORTED, backend_class, connect, resolve
+
+__all__ = ["BACKENDS", "SUPPORTED", "Backend", "backend_class", "connect", "is_storage_error", "reason", "resolve",
+           "storage_errors"]

@@ -1,0 +1,179 @@
+"""The :class:`Backend` protocol: the few operations amber-store asks of a storage system.
+
+A backend is one location (a directory, a bucket prefix, a container prefix) seen two ways:
+``store``, the zarr v3 store any zarr reader opens it with, and the operations History and the
+Writer need beyond zarr's store API: a commit that creates an object only if it is absent, a
+replace readers never see half of, data objects written from parts, durability before a commit,
+reachability and conditional-write checks at open, a footprint for ``du``, and bounds on
+requests that could otherwise hang.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Awaitable, ClassVar, Iterator, TypeVar
+from urllib.parse import SplitResult
+
+from zarr.abc.store import ByteRequest
+from zarr.abc.store import Store as ZarrStore
+from zarr.core.buffer import Buffer, default_buffer_prototype
+
+from ..errors import AmberError, StorageAccessError
+
+T = TypeVar("T")
+
+#: top-level modules whose exceptions are I/O failures (each backend adds its client's)
+_ERROR_MODULES: set[str] = set()
+
+
+def as_buffer(data: bytes) -> Buffer:
+    return default_buffer_prototype().buffer.from_bytes(data)
+
+
+class Backend(abc.ABC):
+    """One store location and what amber-store does with it.
+
+    Subclasses implement :meth:`from_uri` and :meth:`put_if_absent`; everything else has a
+    default that goes through the zarr store, which a backend overrides where its storage
+    can do better (a local rename, an object store's conditional create, an fsync). A new
+    backend is one module and one line in :data:`amber_store.storage.registry.BACKENDS`.
+    """
+
+    #: URI schemes this backend serves (the registry maps each to the class)
+    schemes: ClassVar[tuple[str, ...]] = ()
+    #: top-level modules of the client library whose exceptions are I/O failures
+    error_modules: ClassVar[tuple[str, ...]] = ()
+    #: seconds a commit or other metadata put outside a save may take (``None``: unbounded,
+    #: for storage that cannot hang on a network)
+    put_timeout: float | None = None
+
+    def __init__(self, store: ZarrStore, uri: str) -> None:
+        #: zarr's view of the location: the same objects, as any zarr v3 reader sees them
+        self.store = store
+        #: the location as messages name it (never with credentials)
+        self.uri = uri
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _ERROR_MODULES.update(cls.error_modules)
+
+    @classmethod
+    @abc.abstractmethod
+    def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any], read_only: bool) -> "Backend":
+        """The backend of ``uri`` (already split into ``parts``), with no I/O yet; raises
+        :class:`~amber_store.errors.InvalidURIError` for a URI or options it cannot use."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    @property
+    def read_only(self) -> bool:
+        return bool(self.store.read_only)
+
+    @property
+    def endpoint(self) -> str:
+        """The service behind the location, as messages name it."""
+        return self.uri
+
+    # --- reading ------------------------------------------------------------------------
+
+    async def get(self, key: str, byte_range: ByteRequest | None = None) -> Buffer | None:
+        """The object ``key`` (or a range of it); ``None`` if it does not exist."""
+        return await self.store.get(key, default_buffer_prototype(), byte_range)
+
+    def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        """Names directly below ``prefix`` (objects and "directories")."""
+        return self.store.list_dir(prefix)
+
+    def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        """Every key below ``prefix``."""
+        return self.store.list_prefix(prefix)
+
+    async def exists(self, key: str) -> bool:
+        return await self.store.exists(key)
+
+    async def is_empty(self) -> bool:
+        return await self.store.is_empty("")
+
+    # --- writing ------------------------------------------------------------------------
+
+    async def put_object(self, key: str, parts: list[Any], durable: bool = False) -> None:
+        """Write the object ``key``: ``parts`` (buffers) laid end to end. With ``durable``, the
+        backend may make it durable now rather than in :meth:`make_durable` (which still runs
+        before a commit)."""
+        await self.store.set(key, as_buffer(b"".join(parts)))
+
+    async def put(self, key: str, data: bytes) -> None:
+        """Create or replace the small object ``key`` (metadata written outside a save: pins, a
+        folded step's manifest); readers see the old object or the new one, never a mix."""
+        await self.bounded(self.store.set(key, as_buffer(data)))
+
+    @abc.abstractmethod
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` holding ``data`` only if it does not exist; ``False`` if it did. The
+        commit point of a step: of two writers racing for one key, exactly one may win."""
+
+    async def make_durable(self, keys: list[str]) -> None:
+        """Make the objects at ``keys`` durable before a commit names them (object stores
+        acknowledge a PUT once it is durable: nothing to do)."""
+
+    async def delete(self, key: str) -> None:
+        await self.store.delete(key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        await self.store.delete_dir(prefix)
+
+    # --- checking -----------------------------------------------------------------------
+
+    async def probe(self) -> None:
+        """Fail now, with a clear message, if the location cannot be used."""
+
+    async def require_conditional_writes(self) -> None:
+        """Refuse (:class:`~amber_store.errors.UnsafeStorageError`) a location whose
+        :meth:`put_if_absent` cannot keep two writers from both committing one step."""
+
+    async def footprint(self) -> dict[str, int]:
+        """What the location occupies: ``objects``, ``bytes`` (their sizes) and ``allocated``
+        (disk blocks where known, else the same as ``bytes``)."""
+        sizes = [await self.store.getsize(key) async for key in self.store.list_prefix("")]
+        return {"objects": len(sizes), "bytes": sum(sizes), "allocated": sum(sizes)}
+
+    def close(self) -> None:
+        """Close the client's connections. The backend stays usable: a later request connects
+        again."""
+
+    async def bounded(self, aw: Awaitable[T]) -> T:
+        """``aw`` within :attr:`put_timeout`."""
+        return await (aw if self.put_timeout is None else asyncio.wait_for(aw, self.put_timeout))
+
+
+def is_storage_error(e: BaseException) -> bool:
+    """I/O failures (disk, network, the object store's answers), as opposed to bugs."""
+    return isinstance(e, (OSError, TimeoutError, asyncio.TimeoutError)) or \
+        type(e).__module__.split(".")[0] in _ERROR_MODULES
+
+
+@contextmanager
+def storage_errors(uri: str, doing: str) -> Iterator[None]:
+    """Turn an I/O failure inside the block into a :class:`StorageAccessError` saying what was
+    being done where (client libraries' errors share no base class); amber-store's own errors
+    and bugs pass through."""
+    try:
+        yield
+    except AmberError:
+        raise
+    except Exception as e:
+        if not is_storage_error(e):
+            raise
+        raise StorageAccessError(f"{uri}: {doing} failed ({reason(e)})") from e
+
+
+def reason(e: BaseException) -> str:
+    """One line on an error, for messages (never a credential)."""
+    name = type(e).__name__
+    text = str(e).splitlines()[0] if str(e) else ""
+    if "credential" in (name + text).lower():
+        return f"no valid credentials found: {name}"
+    return f"{name}: {text}"[:300]

@@ -1,0 +1,181 @@
+"""A local directory (NVMe, a shared filesystem): ``/path`` or ``file:///path``.
+
+Every object is written aside and renamed into place, never rewritten in place; the commit is a
+hard link, which fails if the name exists; durability is an fsync of each object and of the
+directories naming them. Large objects are read by mapping their files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import SplitResult
+
+import numpy as np
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+from zarr.storage import LocalStore
+
+from ..errors import InvalidURIError, NotAnAmberStoreError
+from .base import Backend
+
+#: Local objects at least this large are read by mapping them (smaller ones: a read is cheaper).
+MAP_MIN_BYTES = 1 << 20
+
+
+def _get_local(path: Path, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if isinstance(byte_range, RangeByteRequest):
+            start, stop = byte_range.start, min(size, byte_range.end)
+        elif isinstance(byte_range, OffsetByteRequest):
+            start, stop = byte_range.offset, size
+        elif isinstance(byte_range, SuffixByteRequest):
+            start, stop = max(0, size - byte_range.suffix), size
+        elif byte_range is None:
+            start, stop = 0, size
+        else:
+            raise TypeError(f"unexpected byte range {byte_range!r}")
+        start = min(start, stop)
+        if size < MAP_MIN_BYTES or os.name != "posix":
+            f.seek(start)
+            return prototype.buffer.from_bytes(f.read(stop - start))
+        whole = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+    return prototype.buffer.from_array_like(whole[start:stop])
+
+
+class MappedLocalStore(LocalStore):
+    """zarr's :class:`~zarr.storage.LocalStore`, reading large objects by mapping their files:
+    a read then neither copies from the page cache nor faults in fresh memory (measured: a
+    whole-step read of 1.5 GB of shard objects, 0.85 s copied vs 0.12 s mapped and
+    checksummed). Safe because amber-store never rewrites a file in place: every object is
+    written aside and renamed over (zarr's writes, :meth:`LocalBackend.put_object`), so a
+    mapping keeps the bytes it was opened on, even after the file is deleted."""
+
+    async def get(self, key: str, prototype: BufferPrototype | None = None,
+                  byte_range: ByteRequest | None = None) -> Buffer | None:
+        if not self._is_open:
+            await self._open()
+        try:
+            return await asyncio.to_thread(_get_local, self.root / key, prototype or default_buffer_prototype(),
+                                           byte_range)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+
+class LocalBackend(Backend):
+    """A directory on a local (or mounted) filesystem."""
+
+    schemes = ("file",)
+
+    def __init__(self, path: Path, read_only: bool = False) -> None:
+        super().__init__(MappedLocalStore(path, read_only=read_only), str(path))
+        self.root = path
+
+    @classmethod
+    def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any], read_only: bool) -> "LocalBackend":
+        if storage_options:
+            raise InvalidURIError(f"{uri}: storage_options are not used by local paths")
+        path = Path(parts.path if parts.scheme.lower() == "file" else uri).expanduser().absolute()
+        if path.exists() and not path.is_dir():
+            raise InvalidURIError(f"{uri}: exists and is not a directory")
+        return cls(path, read_only)
+
+    async def put_object(self, key: str, parts: list[Any], durable: bool = False) -> None:
+        """Written from the parts as they are (no joined copy) into a temporary file renamed
+        into place, so a file is never rewritten in place (readers may have it mapped); with
+        ``durable`` it is fsynced before the rename, overlapping the disk's work with the
+        encoding of the next object (by :meth:`make_durable`, only directories cost anything)."""
+        path = self.root / key
+        await asyncio.to_thread(lambda: os.replace(_write_aside(path, parts, durable), path))
+
+    async def put(self, key: str, data: bytes) -> None:
+        await asyncio.to_thread(replace_file, self.root / key, data)
+
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Written aside, then hard-linked into place: the link fails if the name exists, and
+        readers never see a partial file."""
+        return await asyncio.to_thread(_link_into_place, self.root / key, data)
+
+    async def make_durable(self, keys: list[str]) -> None:
+        await asyncio.to_thread(_fsync_all, self.root, keys)
+
+    async def probe(self) -> None:
+        if self.read_only and not self.root.is_dir():
+            raise NotAnAmberStoreError(f"{self.uri}: no amber-store here (nothing to read)")
+
+    async def footprint(self) -> dict[str, int]:
+        """Besides files and their sizes: disk blocks allocated, and ``directories``."""
+        return await asyncio.to_thread(_local_footprint, self.root)
+
+
+def _fsync_all(root: Path, keys: list[str]) -> None:
+    dirs: set[Path] = set()
+    for key in keys:
+        path = root / key
+        _fsync(path)
+        dirs.update(p for p in path.parents if p == root or root in p.parents)
+    for d in dirs:
+        _fsync(d)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_aside(path: Path, data: Any, durable: bool = True) -> Path:
+    """A fully written (and, if ``durable``, fsynced) temporary file next to ``path``, holding
+    ``data``: bytes, or a list of buffers laid end to end (written one by one, never joined)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for part in data if isinstance(data, list) else [data]:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def _link_into_place(path: Path, data: bytes) -> bool:
+    tmp = _write_aside(path, data)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Make the local file ``path`` hold ``data``, whole or not at all (an fsynced temporary
+    file renamed over it)."""
+    os.replace(_write_aside(path, data), path)
+
+
+def _local_footprint(root: Path) -> dict[str, int]:
+    out = {"objects": 0, "bytes": 0, "allocated": 0, "directories": 0}
+    for dirpath, dirnames, filenames in os.walk(root):
+        out["directories"] += len(dirnames)
+        for name in filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            out["objects"] += 1
+            out["bytes"] += st.st_size
+            out["allocated"] += st.st_blocks * 512
+    return out
