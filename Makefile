@@ -19,7 +19,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/amber-store demo
 
-test: $(STAMP)
+# Azurite (Azure Blob Storage emulator) for the tests, from npm, pinned by its lock file.
+AZURITE := backends/node/node_modules/.bin/azurite-blob
+
+$(AZURITE): backends/node/package-lock.json
+	npm ci --prefix backends/node --no-audit --no-fund --loglevel=error
+	touch $(AZURITE)
+
+test: $(STAMP) $(AZURITE)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
@@ -27,4 +34,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) amber-demo .pytest_cache
+	rm -rf $(VENV) amber-demo .pytest_cache backends/node/node_modules

@@ -1,4 +1,4 @@
-"""Shared fixtures: store locations (local, memory, a real S3 server) and helpers."""
+"""Shared fixtures: store locations (local, memory, real S3, GCS and Azure servers) and helpers."""
 
 from __future__ import annotations
 
@@ -20,44 +20,52 @@ from zarr.storage import WrapperStore
 import amber_store as amber
 from amber_store import codecs as amber_codecs
 from amber_store import format as fmt
+from backends.azurite import Azurite
+from backends.gcs import FakeGCS
+from backends.process import ServerProcess
 from backends.s3servers import S3Endpoint, SeaweedFS
 
 BUCKET = "amber-test"
+#: the object stores of the tests: each kind's server, and the mark its tests carry
+OBJECT_STORES = {"s3": SeaweedFS, "gcs": FakeGCS, "azure": Azurite}
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_developer_aws_environment(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Hide the developer's AWS configuration from every test: a store opened without explicit
-    credentials must never send real ones to a test server."""
+def no_developer_cloud_environment(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Hide the developer's AWS, Google Cloud and Azure configuration from every test: a store
+    opened without explicit credentials must never send real ones to a test server."""
     with pytest.MonkeyPatch.context() as mp:
         for var in list(os.environ):
-            if var.startswith("AWS_"):
+            if var.startswith(("AWS_", "AZURE_", "GOOGLE_", "GCSFS_", "CLOUDSDK_")) or var == "STORAGE_EMULATOR_HOST":
                 mp.delenv(var)
-        none = str(tmp_path_factory.mktemp("aws") / "none")
+        none = str(tmp_path_factory.mktemp("cloud") / "none")
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", none)
         mp.setenv("AWS_CONFIG_FILE", none)
         mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        mp.setenv("CLOUDSDK_CONFIG", none)  # gcloud's application-default credentials
+        mp.setenv("NO_GCE_CHECK", "true")  # no metadata server to ask (google-auth)
         yield
 
 
-#: the S3 servers started by the fixtures below and still running
-_SERVERS: list[SeaweedFS] = []
+#: the servers started by the fixtures below and still running
+_SERVERS: list[ServerProcess] = []
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """A failed S3 test's report ends with the tail of each running server's log (a server
-    that stalled says why there, and CI keeps nothing else of it)."""
+    """A failed object-store test's report ends with the tail of each running server's log (a
+    server that stalled says why there, and CI keeps nothing else of it)."""
     report = yield
-    if report.failed and item.get_closest_marker("s3") is not None:
+    if report.failed and any(item.get_closest_marker(kind) is not None for kind in OBJECT_STORES):
         for server in _SERVERS:
             report.sections.append((f"{server.name} at {server.endpoint}: log tail", server.log_tail(4000)))
     return report
 
 
 @contextmanager
-def seaweedfs() -> Iterator[SeaweedFS]:
-    with SeaweedFS() as server:
+def running(kind: str) -> Iterator[Any]:
+    """A fresh server of the object store ``kind`` with the tests' bucket."""
+    with OBJECT_STORES[kind]() as server:
         server.create_bucket(BUCKET)
         _SERVERS.append(server)
         try:
@@ -78,18 +86,53 @@ def s3_server() -> Any:
         server.create_bucket(BUCKET)
         yield server
         return
-    with seaweedfs() as server:
+    with running("s3") as server:
         yield server
 
 
 @pytest.fixture
 def own_s3_server() -> Any:
     """A SeaweedFS process of this test alone, which it may kill, freeze and restart."""
-    with seaweedfs() as server:
+    with running("s3") as server:
         yield server
 
 
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(scope="session")
+def gcs_server() -> Any:
+    """The GCS endpoint of the gcs-marked tests: fake-gcs-server, started for the session."""
+    with running("gcs") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azure_server() -> Any:
+    """The Azure Blob endpoint of the azure-marked tests: Azurite, started for the session."""
+    with running("azure") as server:
+        yield server
+
+
+OBJECT_STORE_PARAMS = [pytest.param(kind, marks=getattr(pytest.mark, kind)) for kind in OBJECT_STORES]
+
+
+@pytest.fixture(params=OBJECT_STORE_PARAMS)
+def object_server(request: pytest.FixtureRequest) -> Any:
+    """The session's server of each object store (S3, GCS, Azure)."""
+    return request.getfixturevalue(f"{request.param}_server")
+
+
+@pytest.fixture(params=OBJECT_STORE_PARAMS)
+def own_object_server(request: pytest.FixtureRequest) -> Any:
+    """A server of each object store for this test alone, which it may kill, freeze and restart."""
+    with running(request.param) as server:
+        yield server
+
+
+def store_uri(server: Any) -> str:
+    """A fresh store location in the tests' bucket of ``server``."""
+    return f"{server.scheme}://{BUCKET}/{uuid.uuid4().hex}"
+
+
+@pytest.fixture(params=["local", "memory", *OBJECT_STORE_PARAMS])
 def location(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any] | None]:
     """(uri, storage_options) of a fresh, empty store location of each backend kind."""
     kind = request.param
@@ -97,8 +140,8 @@ def location(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[s
         return str(tmp_path / "ckpt"), None
     if kind == "memory":
         return f"memory://test-{uuid.uuid4().hex}", None
-    server = request.getfixturevalue("s3_server")
-    return f"s3://{BUCKET}/{uuid.uuid4().hex}", server.storage_options()
+    server = request.getfixturevalue(f"{kind}_server")
+    return store_uri(server), server.storage_options()
 
 
 @pytest.fixture

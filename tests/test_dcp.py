@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 import amber_store as amber
 from amber_store.dcp import AmberStorageReader, AmberStorageWriter
-from backends.s3servers import free_port
+from backends.process import free_port
 from conftest import BUCKET, assert_bit_equal
 
 WORKER = Path(__file__).parent / "dcp_workers.py"

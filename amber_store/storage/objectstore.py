@@ -123,9 +123,9 @@ class ObjectStoreBackend(Backend):
             await self.probe_request()
         except FileNotFoundError:
             raise StorageAccessError(f"{self.uri}: {self.container} {self.bucket!r} does not exist") from None
-        except PermissionError as e:
-            raise StorageAccessError(f"{self.uri}: access denied; check the credentials ({reason(e)})") from None
         except Exception as e:  # client, HTTP and socket errors share no base class
+            if isinstance(e, PermissionError) or self.denied(e):
+                raise StorageAccessError(f"{self.uri}: access denied; check the credentials ({reason(e)})") from None
             raise StorageAccessError(f"{self.uri}: storage not usable: {reason(e)}") from None
         finally:
             self.connected()
@@ -136,6 +136,11 @@ class ObjectStoreBackend(Backend):
         pages through every top-level entry, and an access policy may allow only this
         prefix): FileNotFoundError for a missing bucket, PermissionError for refused
         credentials."""
+
+    def denied(self, e: Exception) -> bool:
+        """Whether the client's error ``e`` is the service refusing the credentials (clients
+        that raise PermissionError for it need not say)."""
+        return False
 
     def connected(self) -> None:
         """Called on the event loop once the client exists (after the probe)."""

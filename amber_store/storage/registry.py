@@ -20,6 +20,11 @@ BACKENDS: dict[str, str] = {
     "memory": "amber_store.storage.memory:MemoryBackend",
     "s3": "amber_store.storage.s3:S3Backend",
     "s3a": "amber_store.storage.s3:S3Backend",
+    "gs": "amber_store.storage.gcs:GCSBackend",
+    "gcs": "amber_store.storage.gcs:GCSBackend",
+    "az": "amber_store.storage.azure:AzureBackend",
+    "abfs": "amber_store.storage.azure:AzureBackend",
+    "abfss": "amber_store.storage.azure:AzureBackend",
 }
 
 SUPPORTED = "a local path, " + ", ".join(f"{s}://" for s in BACKENDS)
