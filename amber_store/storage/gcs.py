@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from contextlib import suppress
 from typing import Any
 from urllib.parse import SplitResult
 
@@ -101,18 +100,15 @@ def _filesystem(retries: int) -> Any:
 def _close_session(loop: Any, session: Any, asynchronous: bool = False) -> None:
     """Close an aiohttp session (gcsfs's finalizer of a filesystem, when it goes or at exit) on
     the event loop it lives on, zarr's: gcsfs's own closes it on whatever loop runs where the
-    garbage collector struck ("attached to a different loop"). Once that loop is gone, its
-    connections are closed as they are."""
+    garbage collector struck ("attached to a different loop"). Scheduled, never waited for: the
+    collector may strike in a thread that holds what that loop needs (waiting there stalled
+    saves for the wait's whole timeout). Once the loop is gone, its connections are closed as
+    they are."""
     if session is None or session.closed:
         return
     own = getattr(session, "_loop", None)
     if own is not None and own.is_running() and not own.is_closed():
-        with suppress(RuntimeError):
-            if asyncio.get_running_loop() is own:
-                own.create_task(session.close())
-                return
-        with suppress(Exception):
-            asyncio.run_coroutine_threadsafe(session.close(), own).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(session.close(), own)
         return
     connector = getattr(session, "_connector", None)
     if connector is not None:

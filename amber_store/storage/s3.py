@@ -185,18 +185,20 @@ def _track_client(fs: Any) -> None:
     """Close the client of ``fs`` when the filesystem goes, or at exit: aiohttp warns about
     every session still open then. Called on the event loop the client lives on."""
     loop = asyncio.get_running_loop()
-    weakref.finalize(fs, _close_client, fs._s3, loop).atexit = False
+    weakref.finalize(fs, _close_client, fs._s3, loop, False).atexit = False
     _SESSIONS[fs] = loop
 
 
-def _close_client(client: Any, loop: asyncio.AbstractEventLoop) -> None:
-    """Close an aiobotocore client on its event loop; from that loop's own thread (a finalizer
-    run by the garbage collector there) schedule it instead of waiting on itself."""
+def _close_client(client: Any, loop: asyncio.AbstractEventLoop, wait: bool = True) -> None:
+    """Close an aiobotocore client on its event loop; waiting for it only with ``wait`` and
+    never from that loop's own thread. The garbage collector's finalizer does not wait: it may
+    strike in a thread that holds what the loop needs."""
     if loop.is_closed() or not loop.is_running():
         return
     fut = asyncio.run_coroutine_threadsafe(client.close(), loop)
     with suppress(RuntimeError):
         if asyncio.get_running_loop() is loop:
             return
-    with suppress(Exception):
-        fut.result(timeout=10)
+    if wait:
+        with suppress(Exception):
+            fut.result(timeout=10)
