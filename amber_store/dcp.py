@@ -51,8 +51,9 @@ from . import format as fmt
 from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError
 from .format import Manifest, TensorEntry
 from .history import next_segment, step_base
-from .pipeline import BaseCache, Written
-from .reader import ReadSession, gather
+from .reader import ReadSession
+from .runtime import gather
+from .stepwriter import BaseCache, Written
 from .store import Store, open
 
 _METADATA = "dcp.metadata"
@@ -145,7 +146,7 @@ class AmberStorageWriter(StorageWriter):
         if latest is not None and step <= latest:
             raise StepOrderError(f"{store.uri}: step {step} is not newer than the latest committed step {latest}")
         prev = store.manifest(latest) if latest is not None else None
-        bases = sync(store.history.base_steps(prev, store.writer.base_policy, store.writer.full_every, self.full, steps))
+        bases = sync(store.history.base_steps(prev, store.options.base_policy, store.options.full_every, self.full, steps))
         attempt = uuid.uuid4().hex[:8]
         segment = next_segment(prev, bases, step)
         decision = _StepPlan(step, bases, len(segment) - 1, fmt.step_group(step, attempt), attempt, latest, segment)
@@ -201,7 +202,7 @@ class AmberStorageWriter(StorageWriter):
         manifest = Manifest(
             step=decision.step,
             kind="delta" if decision.bases else "full",
-            base=step_base(decision.bases, store.writer.base_policy),
+            base=step_base(decision.bases, store.options.base_policy),
             depth=decision.depth,
             group=decision.group,
             tree={"dict": [[k, {"tensor": k}] for k in sorted(entries)]},

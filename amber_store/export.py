@@ -1,4 +1,5 @@
-"""Checkpoints in and out of standard formats: safetensors and torch.save files."""
+"""Checkpoints in and out of standard formats: safetensors and torch.save files. Files only: the
+store's ``export`` and ``import_checkpoint`` load and save the states."""
 
 from __future__ import annotations
 
@@ -6,15 +7,12 @@ import os
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from .errors import UnsupportedStateError
 from .lazy import materialize
-
-if TYPE_CHECKING:
-    from .store import CommitInfo, Store
 
 Format = Literal["safetensors", "torch"]
 _SUFFIXES: dict[str, Format] = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
@@ -56,19 +54,20 @@ def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def export(store: Store, step: int, path: str | os.PathLike[str], *, format: Format | None = None,
+def export(state: Any, step: int, path: str | os.PathLike[str], *, format: Format | None = None,
            subtree: str | None = None) -> Path:
-    """Write ``step`` to ``path``. torch: the whole state, exactly as saved, via ``torch.save``.
-    safetensors: the tensors of ``subtree`` (default: ``"model"`` when the state has it, else
-    all), keyed by their dotted path, so ``model.load_state_dict(load_file(path))`` works."""
+    """Write ``state``, the (lazy) state of ``step``, to ``path``. torch: the whole state, exactly
+    as saved, via ``torch.save``. safetensors: the tensors of ``subtree`` (default: ``"model"``
+    when the state has it, else all), keyed by their dotted path, so
+    ``model.load_state_dict(load_file(path))`` works."""
     fmt_ = file_format(path, format)
     path = Path(path)
     if fmt_ == "torch":
-        torch.save(store.load(step, lazy=False), path)
+        torch.save(materialize(state), path)
         return path
     from safetensors.torch import save_file
 
-    node = store.load(step)
+    node = state
     if subtree is None and isinstance(node, Mapping) and "model" in node:
         subtree = "model"
     for part in subtree.split("/") if subtree else []:
@@ -96,12 +95,11 @@ def _new_file_mode(directory: Path) -> int:
         probe.unlink()
 
 
-def import_checkpoint(store: Store, step: int, path: str | os.PathLike[str], *, format: Format | None = None,
-                      subtree: str | None = None) -> CommitInfo:
-    """Save a ``torch.save`` file (loaded with ``weights_only=True``) or a safetensors file as a
-    full step. A safetensors file exported from a subtree goes back under it: ``subtree``, or
-    by default the one recorded in the file by :func:`export`; ``subtree=""`` puts its tensors
-    at the top level."""
+def read(path: str | os.PathLike[str], *, format: Format | None = None, subtree: str | None = None) -> Any:
+    """The state in a ``torch.save`` file (loaded with ``weights_only=True``) or a safetensors
+    file. A safetensors file exported from a subtree goes back under it: ``subtree``, or by
+    default the one recorded in the file by :func:`export`; ``subtree=""`` puts its tensors at
+    the top level."""
     fmt_ = file_format(path, format)
     if fmt_ == "torch":
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -115,4 +113,4 @@ def import_checkpoint(store: Store, step: int, path: str | os.PathLike[str], *, 
                 subtree = (f.metadata() or {}).get("amber_store.subtree", "")
         for part in reversed(subtree.split("/") if subtree else []):
             state = {part: state}
-    return store.save(step, state, full=True)
+    return state

@@ -64,6 +64,15 @@ PACK_PREFIX = "pack"
 _ABSENT = (1 << 64) - 1
 
 Encoding = Literal["full", "diff", "xor", "sparse", "quant", "block", "ratio", "same"]
+#: The delta encodings, each with the zarr codec its arrays name and the format version that
+#: introduced it (``full`` and ``same`` store values and nothing). :mod:`amber_store.codecs`
+#: registers exactly these (a test holds them equal): a new codec is a new entry here.
+DELTA_ENCODINGS: dict[str, tuple[str, int]] = {
+    "xor": ("amber.xor_delta", 1), "sparse": ("amber.sparse_delta", 2), "quant": ("amber.quantized_delta", 2),
+    "block": ("amber.block_delta", 5), "ratio": ("amber.ratio_delta", 5), "diff": ("amber.diff_delta", 6),
+}
+#: The array-to-bytes codecs delta arrays name, and the format version that introduced each.
+SERIALIZERS: dict[str, int] = {"amber.sparse": 2, "amber.pack4": 2, "amber.ans": 5}
 
 
 def commit_key(step: int) -> str:

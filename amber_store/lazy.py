@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from zarr.core.sync import sync
 
-from .codecs import shared_pool
 from .format import DTYPES, TensorEntry, numpy_to_tensor, round_up
-from .reader import ReadSession, gather
+from .reader import ReadSession
+from .runtime import gather, shared_pool
 
 if TYPE_CHECKING:
     from .reader import Reader

@@ -14,7 +14,7 @@ from zarr.core.array import AsyncArray
 from zarr.storage import StorePath
 
 from . import format as fmt
-from .codecs import DeltaCodec
+from .codecs import ElementwiseDeltaCodec
 from .errors import CorruptDataError
 from .format import TensorEntry
 
@@ -69,6 +69,6 @@ class LegacyReader:
         base_entry = (await self.history.manifest(e.base)).tensors[key]
         delta, base = await asyncio.gather(own(), self._read_chain(e.base, key, base_entry, region))
         codec = arr.metadata.codecs[0]
-        if not isinstance(codec, DeltaCodec):
+        if not isinstance(codec, ElementwiseDeltaCodec):
             raise self._corrupt(step, key, f"array {e.array} has no delta codec")
         return codec.apply(delta, base, region, e)

@@ -13,7 +13,7 @@ Steps of format versions 1 and 2 (one zarr array per tensor) are read by
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterable
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -21,10 +21,11 @@ from zarr.abc.store import RangeByteRequest
 
 from . import format as fmt
 from . import legacy
-from .codecs import DELTA_ENCODINGS, codec_pool, decompress, scratch
+from .codecs import DELTA_ENCODINGS, decompress, scratch
 from .errors import CorruptDataError, StepNotFoundError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
 from .history import History
+from .runtime import codec_pool, gather
 from .storage import storage_errors
 
 # Chunks below this are decoded on the event loop: a thread hop costs more than the work.
@@ -249,16 +250,3 @@ class Reader:
         await gather([loop.run_in_executor(codec_pool(), one, i) for i in range(len(index))])
         return out
 
-
-async def gather(aws: Iterable[Any]) -> list[Any]:
-    """Await all, in order; on the first failure cancel the rest and wait for them, then raise
-    it, so no read (or delete) outlives the call that failed, nor reports to a closed loop at
-    exit."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise

@@ -39,7 +39,7 @@ from . import format as fmt
 from .format import Manifest
 from .errors import StorageAccessError
 from .history import History
-from .reader import gather
+from .runtime import gather
 
 if TYPE_CHECKING:
     from .store import Store

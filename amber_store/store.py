@@ -11,7 +11,6 @@ visible step and never touches committed data.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import math
 import os
@@ -20,7 +19,7 @@ import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any, Callable, Literal
 
 import torch
@@ -31,17 +30,19 @@ from zarr.core.sync import sync
 from . import format as fmt
 from . import export as export_
 from . import retention
-from .codecs import CodecPolicy, Compression, Policy
 from .errors import AmberError, CorruptDataError, StepNotFoundError, StepOrderError, StorageAccessError
 from .format import Manifest
-from .history import BASE_POLICIES, History
+from .history import History
+from .background import Background
 from .lazy import LazyStateDict, LazyTensor, materialize
-from .pipeline import Background, Snapshots, event_loop
-from .reader import Reader, ReadSession, gather
+from .reader import Reader, ReadSession
 from .retention import GCReport
+from .runtime import gather, interruptible
+from .snapshot import Snapshots
 from .storage import Backend, connect, is_storage_error
 from .storage.zarrstore import ZarrStoreBackend
-from .writer import BasePolicy, Writer
+from .options import Options
+from .writer import Writer
 
 Mode = Literal["r", "a", "w"]
 #: save_async warns (once) when back-pressure held training up longer than this.
@@ -65,115 +66,26 @@ class CommitInfo:
         return self.nbytes_raw / max(1, self.nbytes_stored)
 
 
-def _interruptible(coro: Coroutine[Any, Any, Manifest]) -> Manifest:
-    """Run ``coro`` on zarr's event loop and wait for it, like zarr's ``sync``, but cancel it
-    when the wait is interrupted (KeyboardInterrupt): a save interrupted before its commit is
-    then never committed behind the caller's back (its data is left for gc)."""
-    future = asyncio.run_coroutine_threadsafe(coro, event_loop())
-    try:
-        return future.result()
-    except BaseException:
-        future.cancel()
-        raise
-
-
 class Store:
     """A checkpoint store rooted at one URI. Create it with :func:`amber_store.open`.
 
-    Args:
-        full_every: a segment holds one full step and then up to ``full_every - 1`` deltas; the
-            next save is full again. Larger values store less.
-        base_policy: which earlier step of its segment a delta diffs against. ``"auto"``
-            (default): ``"full"`` for tensors with a lossless codec, ``"log"`` for lossy ones
-            (whose codes grow fastest with the distance to their base). ``"full"``: the full
-            step (reads touch two objects per tensor; deltas grow as training drifts: measured
-            on AdamW every 10 steps, 2.7% more bytes than ``"log"`` for 1.5x faster deepest
-            loads). ``"log"``: skip-list bases (position ``p`` diffs against ``p`` with its
-            lowest set bit cleared), so reading any step touches at most
-            ``log2(full_every) + 1`` objects. ``"chain"``: the previous step (smallest deltas;
-            reads walk up to ``full_every`` objects).
-        chunk_bytes: size of one chunk (the unit of lazy reads and of parallel compression).
-            ``None`` (default): 4 MiB for tensors with a lossless codec, 1 MiB for lossy ones
-            (a quantizer's scale is per chunk) and for a pack's parts. A delta keeps its base's
-            chunks.
-        pack_threshold: tensors smaller than this (bytes) are packed into one object per step.
-        compressor, compression_level: blosc compressor and its level: ``"auto"`` (default:
-            lz4 for full steps and large tensors' lossless deltas, zstd for packs of small
-            tensors' deltas and for XOR and lossy deltas), ``"lz4"`` or ``"zstd"`` (smaller
-            lossless deltas, slower saves); see :class:`~amber_store.codecs.Compression`.
-        verify_checksums: check each materialized chunk's crc32c on read (stored chunks are
-            always checked before they are decoded).
-        durable: make every data object durable (fsync) before the commit, on local disks.
-        progress: show a tqdm bar while saving.
-        codec: the delta codec of each tensor: ``"lossless"`` (default: the integer difference
-            of the raw bits, :class:`~amber_store.codecs.DiffDeltaCodec`), ``"xor"`` (lossless:
-            raw bits XOR the base's), ``"lossy"``
-            (the recommended lossy preset: block-quantized, entropy-coded deltas; ratio-coded
-            second moments), ``"block"``, ``"ratio"``, ``"sparse"``, ``"quant8"``, ``"quant4"``,
-            a :class:`~amber_store.codecs.DeltaCodec`, or rules ``[(key pattern, codec), ...]``
-            such as ``[("optim/*", "sparse")]``; see :class:`~amber_store.codecs.Policy`. Full
-            steps are always lossless.
-        max_pending: how many :meth:`save_async` calls may be unfinished at once.
-        snapshot: where :meth:`save_async` copies the state: ``"host"`` (pinned host buffers;
-            deltas encoded on the host) or ``"device"`` (the tensors' device; deltas encoded
-            there, one more copy of the state in device memory).
-        max_inflight_bytes: bound on tensor bytes encoded but not yet written.
-        save_timeout: seconds a save may take until its data is written and sealed, after which
-            it fails with :class:`StorageAccessError` (nothing committed; the next save may go
-            on), so a hung storage server cannot hang training. ``"auto"`` (default): 300 s plus
-            1 s per 20 MB of state; ``None``: no deadline. Every S3 request is bounded as well
-            (:data:`amber_store.storage.s3.S3_TIMEOUTS`), the commit and other metadata writes
-            by the backend's ``put_timeout``.
-        single_writer: on an object store, skip the check at ``open`` that the server honours
-            conditional writes (``If-None-Match``, GCS's ``ifGenerationMatch``), which keep two
-            writers from both committing one step.
-            Set it only for a server without them (rclone, MinIO before late 2024) and a store
-            that one process writes at a time.
+    ``options`` are those of :class:`~amber_store.options.Options` (``full_every``,
+    ``base_policy``, ``codec``, ``save_timeout``, ...), checked here; :attr:`options` holds them.
     """
 
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        mode: Mode = "a",
-        full_every: int = 10,
-        base_policy: BasePolicy = "auto",
-        chunk_bytes: int | None = None,
-        pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD,
-        compressor: str = "auto",
-        compression_level: int = 1,
-        verify_checksums: bool = True,
-        durable: bool = True,
-        progress: bool = False,
-        max_inflight_bytes: int = 1 << 30,
-        codec: CodecPolicy = "lossless",
-        max_pending: int = 1,
-        snapshot: str = "host",
-        save_timeout: float | Literal["auto"] | None = "auto",
-        single_writer: bool = False,
-    ) -> None:
-        if full_every < 1:
-            raise ValueError("full_every must be >= 1")
-        if base_policy not in BASE_POLICIES:
-            raise ValueError(f"base_policy must be one of {sorted(BASE_POLICIES)}, not {base_policy!r}")
-        if not (save_timeout in ("auto", None) or (isinstance(save_timeout, (int, float)) and save_timeout > 0)):
-            raise ValueError(f"save_timeout must be 'auto', None or a positive number of seconds, not {save_timeout!r}")
+    def __init__(self, backend: Backend, *, mode: Mode = "a", **options: Any) -> None:
+        self.options = Options(**options)
         self.mode: Mode = mode
-        self.single_writer = single_writer
         self.history = History(backend)
-        self.reader = Reader(self.history, verify=verify_checksums)
-        self.writer = Writer(self.history, self.reader, full_every=full_every, base_policy=base_policy,
-                             chunk_bytes=chunk_bytes, pack_threshold=pack_threshold,
-                             compression=Compression(compressor, compression_level), durable=durable,
-                             progress=progress, policy=Policy(codec), max_inflight_bytes=max_inflight_bytes,
-                             save_timeout=save_timeout)
+        self.reader = Reader(self.history, verify=self.options.verify_checksums)
+        self.writer = Writer(self.history, self.reader, self.options)
         self._submitted: int | None = None
-        self._background = Background(max_pending)
+        self._background = Background(self.options.max_pending)
         self._warned_backpressure = False
-        self._snapshots = Snapshots(snapshot)
+        self._snapshots = Snapshots(self.options.snapshot)
         self._walked = fmt.FlattenMemo()  # the last state saved, as flatten found it
         self._saving = threading.Lock()  # one save at a time: its checks against the history assume so
-        self.writer.root_version = sync(self.history.initialize(mode, exclusive_commits=not single_writer))
+        self.writer.root_version = sync(self.history.initialize(mode, exclusive_commits=not self.options.single_writer))
 
     # --- opening ------------------------------------------------------------------------
 
@@ -305,7 +217,7 @@ class Store:
         saving through one store take turns here."""
         try:
             with self._saving:
-                manifest = _interruptible(self.writer.save(step, tree, tensors, full, t0, metrics))
+                manifest = interruptible(self.writer.save(step, tree, tensors, full, t0, metrics))
         except Exception as e:
             if isinstance(e, AmberError) or not is_storage_error(e):
                 raise
@@ -372,14 +284,14 @@ class Store:
                subtree: str | None = None) -> Any:
         """Write ``step`` as a safetensors or ``torch.save`` file (format from the suffix);
         see :func:`amber_store.export.export`."""
-        return export_.export(self, step, path, format=format, subtree=subtree)  # type: ignore[arg-type]
+        return export_.export(self.load(step), step, path, format=format, subtree=subtree)  # type: ignore[arg-type]
 
     def import_checkpoint(self, step: int, path: str | os.PathLike[str], *, format: str | None = None,
                           subtree: str | None = None) -> CommitInfo:
         """Save an existing ``torch.save`` or safetensors file as a full ``step`` (a safetensors
         file under ``subtree``, by default the one :meth:`export` recorded in it); see
-        :func:`amber_store.export.import_checkpoint`."""
-        return export_.import_checkpoint(self, step, path, format=format, subtree=subtree)  # type: ignore[arg-type]
+        :func:`amber_store.export.read`."""
+        return self.save(step, export_.read(path, format=format, subtree=subtree), full=True)  # type: ignore[arg-type]
 
     def du(self) -> dict[str, Any]:
         """Stored bytes by step and by top-level group of the state (``model``, ``optim``, ...),
@@ -401,7 +313,7 @@ class Store:
         """
         steps = self.steps() if step is None else [step]
         report: dict[int, dict[str, str | None]] = {}
-        for s in tqdm(steps, desc="verify", unit="step", disable=not self.writer.progress):
+        for s in tqdm(steps, desc="verify", unit="step", disable=not self.options.progress):
             report[s] = sync(self._verify_step(self.manifest(s)))
         return report
 
@@ -420,22 +332,21 @@ class Store:
 
     # --- loading ------------------------------------------------------------------------
 
-    def load(self, step: int | None = None, *, lazy: bool = True, device: torch.device | str | None = None) -> Any:
+    def load(self, step: int | None = None, *, lazy: bool = True, device: torch.device | str | None = None,
+             tree: dict[str, Any] | None = None) -> Any:
         """Open a committed step (``None``: the latest).
 
         Lazy (default): a structure mirroring the saved state dict whose dicts are
         :class:`LazyStateDict` and whose tensors are :class:`LazyTensor`; nothing is read until a
         tensor or slice is used. ``lazy=False``: every tensor is read now (concurrently, each
-        stored object once) and put on ``device``.
+        stored object once) and put on ``device``. ``tree``: a state tree of the step's form
+        (:func:`amber_store.format.flatten`'s, as a framework's pointer file keeps one) naming
+        tensors of the step, in place of the step's own tree.
         """
         if step is None:
             step = self.latest()
             if step is None:
                 raise StepNotFoundError(f"{self.uri}: the store is empty (no committed step)")
-        return self._load(step, None, lazy, device)
-
-    def _load(self, step: int, tree: dict[str, Any] | None, lazy: bool, device: torch.device | str | None) -> Any:
-        """:meth:`load`, with ``tree`` (naming tensors of ``step``) in place of the step's own."""
         m = self.manifest(step)
 
         @functools.cache  # tied weights: one LazyTensor, so one tensor, for all their keys

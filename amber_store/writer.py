@@ -2,7 +2,7 @@
 
 A save checks the step against the history (newer than the latest, this the only writer),
 picks each tensor's base (:meth:`History.base_steps`), creates a fresh attempt group, encodes
-and writes every tensor into it on a writer thread (:class:`~amber_store.pipeline.StepWriter`),
+and writes every tensor into it on a writer thread (:class:`~amber_store.stepwriter.StepWriter`),
 seals the group (its consolidated metadata, then durability) and commits the manifest last.
 Retention's folds and the DCP writer build steps from the same pieces (:meth:`Writer.open_group`,
 :meth:`Writer.add_tensors`, :meth:`Writer.seal`, :meth:`Writer.bases_for`).
@@ -17,22 +17,23 @@ import time
 import uuid
 from contextlib import suppress
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 from zarr.core.sync import sync
 
 from . import format as fmt
-from .codecs import Compression, DeltaCodec, Policy
+from .codecs import DeltaCodec
 from .errors import ConcurrentWriterError, StepOrderError, StorageAccessError
 from .format import Manifest, TensorEntry
 from .history import PARENTS, History, json_bytes, next_segment, parent_policies, parent_policy, step_base
-from .pipeline import Base, BaseCache, StepWriter, Written, writer_pool
-from .reader import Reader, ReadSession, gather
+from .options import Options
+from .reader import Reader, ReadSession
+from .runtime import gather, writer_pool
+from .stepwriter import Base, BaseCache, StepWriter, Written
 from .storage import is_storage_error
 
-BasePolicy = Literal["auto", "log", "chain", "full"]
 #: save_timeout="auto": this many seconds, plus one per AUTO_TIMEOUT_RATE bytes of state.
 AUTO_TIMEOUT_SECONDS = 300.0
 AUTO_TIMEOUT_RATE = 20e6
@@ -41,35 +42,22 @@ DISCARD_TIMEOUT = 10.0
 
 
 class Writer:
-    """Saves steps into one store with its options (see :class:`~amber_store.store.Store`'s
-    arguments of the same names), keeping in memory the values later deltas diff against
-    (:attr:`bases`)."""
+    """Saves steps into one store with its :class:`~amber_store.options.Options`, keeping in
+    memory the values later deltas diff against (:attr:`bases`)."""
 
-    def __init__(self, history: History, reader: Reader, *, full_every: int,
-                 base_policy: BasePolicy, chunk_bytes: int | None, pack_threshold: int, compression: Compression,
-                 durable: bool, progress: bool, policy: Policy, max_inflight_bytes: int,
-                 save_timeout: float | Literal["auto"] | None) -> None:
+    def __init__(self, history: History, reader: Reader, options: Options) -> None:
         self.backend = history.backend
         self.history = history
         self.reader = reader
-        self.full_every = full_every
-        self.base_policy: BasePolicy = base_policy
-        self.chunk_bytes = chunk_bytes
-        self.pack_threshold = pack_threshold
-        self.compression = compression
-        self.durable = durable
-        self.progress = progress
-        self.policy = policy
-        self.save_timeout = save_timeout
-        self._max_inflight = max_inflight_bytes
+        self.options = options
         self.bases = BaseCache()
         #: the format version the store's root names (a save of this version updates it)
         self.root_version: int | None = None
 
     def _timeout(self, tensors: dict[str, torch.Tensor]) -> float | None:
-        if self.save_timeout == "auto":
+        if self.options.save_timeout == "auto":
             return AUTO_TIMEOUT_SECONDS + sum(t.nbytes for t in tensors.values()) / AUTO_TIMEOUT_RATE
-        return self.save_timeout
+        return self.options.save_timeout
 
     async def save(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
                    t0: float, metrics: dict[str, float]) -> Manifest:
@@ -132,7 +120,7 @@ class Writer:
             raise StepOrderError(f"{self.history.uri}: step {step} is not newer than the latest committed step {latest}")
         doing.append("reading the manifests of its bases")
         prev = await history.manifest(latest) if latest is not None else None
-        bases = await history.base_steps(prev, self.base_policy, self.full_every, full, steps)
+        bases = await history.base_steps(prev, self.options.base_policy, self.options.full_every, full, steps)
         segment = next_segment(prev, bases, step)
         doing.append("creating its group")
         await self.open_group(group, step)
@@ -157,7 +145,7 @@ class Writer:
         manifest = Manifest(
             step=step,
             kind="delta" if bases else "full",
-            base=step_base(bases, self.base_policy),
+            base=step_base(bases, self.options.base_policy),
             depth=len(segment) - 1,
             group=group,
             tree=tree,
@@ -174,17 +162,17 @@ class Writer:
 
     def live_bases(self, m: Manifest) -> set[int]:
         """Steps of ``m``'s segment that a later save may diff against."""
-        return {m.segment[q] for q in self._parents(m.depth, parent_policies(self.base_policy)) if 0 <= q <= m.depth}
+        return {m.segment[q] for q in self._parents(m.depth, parent_policies(self.options.base_policy)) if 0 <= q <= m.depth}
 
     def kept_as_base(self, depth: int) -> dict[bool, bool]:
         """For lossless (``True``) and lossy tensors: whether a later save may diff against a
         step at position ``depth`` of its segment (so its values are worth keeping in memory)."""
-        return {lossless: depth in self._parents(depth, (parent_policy(self.base_policy, lossless),))
+        return {lossless: depth in self._parents(depth, (parent_policy(self.options.base_policy, lossless),))
                 for lossless in (True, False)}
 
     def _parents(self, depth: int, policies: tuple[str, ...]) -> set[int]:
         """Segment positions that a later position than ``depth`` diffs against under ``policies``."""
-        horizon = 2 * max(self.full_every, depth + 2)
+        horizon = 2 * max(self.options.full_every, depth + 2)
         return {PARENTS[p](r) for p in policies for r in range(depth + 1, horizon)}
 
     def _write_tensors(self, group: str, step: int, tensors: dict[str, torch.Tensor],
@@ -211,13 +199,13 @@ class Writer:
         codecs = self.codecs_for(tensors)
         refs = self.tensor_bases(bases, codecs, cache)
         keep = self.kept_as_base(depth)
-        items = tqdm(tensors.items(), desc=desc, unit="tensor", disable=desc is None or not self.progress)
+        items = tqdm(tensors.items(), desc=desc, unit="tensor", disable=desc is None or not self.options.progress)
         for key, tensor in items:
             out.add(key, tensor, refs.get(key), codecs[key], keep=keep[codecs[key].lossless])
 
     def codecs_for(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, DeltaCodec]:
         """The delta codec of each tensor under this store's codec policy."""
-        return {key: self.policy.for_tensor(key, fmt.dtype_name(t.dtype), t.numel()) for key, t in tensors.items()}
+        return {key: self.options.policy.for_tensor(key, fmt.dtype_name(t.dtype), t.numel()) for key, t in tensors.items()}
 
     def tensor_bases(self, bases: dict[str, int], codecs: dict[str, DeltaCodec],
                      cache: BaseCache | None = None) -> dict[str, Base | None]:
@@ -225,7 +213,7 @@ class Writer:
         (:meth:`History.base_steps`; lossless and lossy tensors may differ under ``"auto"``)."""
         keys: dict[int, list[str]] = {}
         for key, codec in codecs.items():
-            base = bases.get(parent_policy(self.base_policy, codec.lossless))
+            base = bases.get(parent_policy(self.options.base_policy, codec.lossless))
             if base is not None:
                 keys.setdefault(base, []).append(key)
         refs: dict[str, Base | None] = {}
@@ -235,10 +223,8 @@ class Writer:
 
     def step_writer(self, group: str, pack_name: str = fmt.PACK_PREFIX, **kwargs: Any) -> StepWriter:
         """A writer of tensors into the attempt group ``group`` with this store's options."""
-        return StepWriter(functools.partial(self.backend.put_object, durable=self.durable), group,
-                          chunk_bytes=self.chunk_bytes, pack_threshold=self.pack_threshold,
-                          compression=self.compression, max_inflight_bytes=self._max_inflight, pack_name=pack_name,
-                          **kwargs)
+        return StepWriter(functools.partial(self.backend.put_object, durable=self.options.durable), group,
+                          self.options, pack_name=pack_name, **kwargs)
 
     async def open_group(self, group: str, step: int) -> None:
         """Create the attempt group before its data, stamped with its start time, so retention
@@ -252,7 +238,7 @@ class Writer:
         created = time.time()
         key = f"{group}/zarr.json"
         await self.backend.put_object(key, [json_bytes(fmt.step_group_metadata(step, created, written.arrays))])
-        if self.durable:
+        if self.options.durable:
             await self.backend.make_durable(written.keys + [key])
         return created
 

@@ -36,11 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
-from amber_store.codecs import Compression, LosslessDeltaCodec, codec_pool  # noqa: E402
+from amber_store.codecs import Compression, LosslessDeltaCodec  # noqa: E402
+from amber_store.runtime import codec_pool  # noqa: E402
 from amber_store.demo import GPTConfig, Trainer  # noqa: E402
 from amber_store.export import flat_tensors  # noqa: E402
 from amber_store.format import LOSSY_CHUNK_BYTES, bits_to_numpy, choose_chunks, chunk_runs, to_bits  # noqa: E402
-from amber_store.pipeline import _lossless_chunk, piece_chunks, submit_delta  # noqa: E402
+from amber_store.stepwriter import _lossless_chunk, piece_chunks, submit_delta  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
 
 

@@ -249,9 +249,9 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 @pytest.fixture(params=["kernels", "torch"])
 def diff_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Lossy diffs of CPU tensors by the fused host kernels (:mod:`amber_store.kernels`), or by
+    """Lossy diffs of CPU tensors by the fused host kernels (:mod:`amber_store.codecs.kernels`), or by
     the torch code that tensors on an accelerator take, run here on the CPU."""
-    monkeypatch.setattr(amber_codecs, "HOST_KERNELS", request.param == "kernels")
+    monkeypatch.setattr(amber_codecs.device, "HOST_KERNELS", request.param == "kernels")
     return request.param
 
 

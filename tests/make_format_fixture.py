@@ -115,7 +115,7 @@ def expected(version: int = 8) -> dict[int, dict]:
 
 def write(path: str) -> None:
     import amber_store as amber
-    from amber_store import entropy
+    from amber_store.codecs import ans as entropy
 
     # Version 3 packs small tensors: the threshold puts model/w and the lossy tensors in shards
     # of several chunks and the rest in the pack. "chain" bases keep step 3 "same" as step 2.

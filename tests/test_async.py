@@ -93,7 +93,7 @@ def take(snapshots, tensors: dict) -> dict:
 
 
 def test_snapshot_buffers_are_reused_while_the_layout_holds_and_replaced_where_it_changes():
-    from amber_store.pipeline import Snapshots
+    from amber_store.snapshot import Snapshots
 
     snapshots = Snapshots()
     live = state(3, 300)
@@ -119,7 +119,7 @@ def test_snapshot_buffers_are_reused_while_the_layout_holds_and_replaced_where_i
 @pytest.mark.parametrize("change", ["none", "new objects", "some new objects", "resized", "reordered", "one more",
                                     "one less"])
 def test_a_snapshot_holds_exactly_what_the_walk_found_whatever_was_copied_ahead(change):
-    from amber_store.pipeline import Snapshots
+    from amber_store.snapshot import Snapshots
 
     snapshots = Snapshots()
     live = {f"t{i}": torch.randn(400, 400) for i in range(40)}
@@ -145,7 +145,7 @@ def test_a_snapshot_holds_exactly_what_the_walk_found_whatever_was_copied_ahead(
 
 
 def test_a_walk_that_fails_lends_nothing_and_the_next_snapshot_is_exact():
-    from amber_store.pipeline import Snapshots
+    from amber_store.snapshot import Snapshots
 
     snapshots = Snapshots()
     live = {f"t{i}": torch.randn(400, 400) for i in range(40)}
@@ -164,7 +164,7 @@ def test_a_walk_that_fails_lends_nothing_and_the_next_snapshot_is_exact():
 def test_a_snapshot_walks_with_the_garbage_collector_paused_and_leaves_it_as_it_was(enabled):
     import gc
 
-    from amber_store.pipeline import Snapshots
+    from amber_store.snapshot import Snapshots
 
     snapshots, seen = Snapshots(), []
     live = {"t": torch.randn(8)}
@@ -192,7 +192,7 @@ def test_a_snapshot_keeps_no_tensor_of_the_state_alive():
     import gc
     import weakref
 
-    from amber_store.pipeline import Snapshots
+    from amber_store.snapshot import Snapshots
 
     snapshots = Snapshots()
     live = state(5, 100)
@@ -211,7 +211,7 @@ def test_a_state_dropped_after_its_snapshot_is_freed_without_waiting_for_the_gar
     import weakref
 
     from amber_store import format as fmt
-    from amber_store.pipeline import Snapshots
+    from amber_store.snapshot import Snapshots
 
     snapshots = Snapshots()
     live = {"model": state(3, 100), "step": 7}
@@ -231,7 +231,7 @@ def test_a_state_dropped_after_its_snapshot_is_freed_without_waiting_for_the_gar
 
 
 def test_snapshots_of_parameters_record_no_autograd_history_on_any_thread():
-    from amber_store.pipeline import Snapshots
+    from amber_store.snapshot import Snapshots
 
     params = {f"p{i}": torch.nn.Parameter(torch.randn(16)) for i in range(300)}  # helper threads copy these
     snapshots = Snapshots()

@@ -8,7 +8,7 @@ import pytest
 
 from numcodecs import zstd
 
-from amber_store.entropy import (DENSE, NIBBLES, SPARSE, _gaps_decode, _gaps_encode, ans_decode, ans_encode,
+from amber_store.codecs.ans import (DENSE, NIBBLES, SPARSE, _gaps_decode, _gaps_encode, ans_decode, ans_encode,
                                  decode_codes, encode_codes, encode_codes_many, entropy_bits)
 
 

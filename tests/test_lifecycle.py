@@ -11,7 +11,7 @@ from zarr.core.buffer import Buffer
 from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
-from amber_store import pipeline
+from amber_store import stepwriter
 from amber_store.demo import GPTConfig, TinyGPT
 from conftest import all_keys, assert_tree_bit_equal
 
@@ -149,14 +149,14 @@ def test_a_save_failing_on_a_full_disk_or_by_a_bug_removes_its_own_data_at_once(
         store.save(2, {"w": torch.randn(64, 64), "b": torch.randn(64, 64)})
     failing.left = None
     assert not attempts()  # deleting frees the space the failure wanted
-    original = pipeline.StepWriter.add
+    original = stepwriter.StepWriter.add
 
     def bug_on_second_tensor(self, key, *args, **kwargs):
         if key == "b":
             raise RuntimeError("a bug in the middle of a save")
         return original(self, key, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline.StepWriter, "add", bug_on_second_tensor)
+    monkeypatch.setattr(stepwriter.StepWriter, "add", bug_on_second_tensor)
     with pytest.raises(RuntimeError, match="a bug"):
         store.save(2, {"w": torch.randn(64, 64), "b": torch.randn(64, 64)})
     assert not attempts()

@@ -15,10 +15,11 @@ from zarr.core.sync import sync
 
 import amber_store as amber
 from amber_store import codecs as amber_codecs
-from amber_store import entropy
-from amber_store import pipeline as amber_pipeline
+from amber_store.codecs import ans as entropy
+from amber_store import stepwriter
 from amber_store.codecs import ESCAPE, AnsBytesCodec, Pack4BytesCodec, SparseBytesCodec, pack4_decode, pack4_encode
 from amber_store.format import chunk_runs, to_bits
+from amber_store.runtime import codec_pool
 from conftest import assert_bit_equal
 
 
@@ -350,7 +351,7 @@ def test_a_quantized_or_sparse_delta_built_in_a_recycled_buffer_is_the_same_delt
 def test_a_sparse_delta_stores_in_each_chunk_the_nonzero_elements_of_its_xor_delta(monkeypatch, piece, chunks,
                                                                                    diff_path):
     if piece:
-        monkeypatch.setattr(amber_codecs, "_PIECE", piece)
+        monkeypatch.setattr(amber_codecs.device, "PIECE", piece)
     g = torch.Generator().manual_seed(4)
     base = torch.randn(80, 64, generator=g)
     value = base * (1 + 0.05 * torch.randn(base.shape, generator=g))
@@ -420,7 +421,7 @@ def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch
     base, value = base.to(dtype), value.to(dtype)
     base_bits = to_bits(base).clone()
     whole = codec.diff(value, base_bits, chunks)
-    monkeypatch.setattr(amber_codecs, "_PIECE_BYTES", 2 * 8 * 32 * dtype.itemsize)  # two or three chunks a piece
+    monkeypatch.setattr(amber_codecs.device, "PIECE_BYTES", 2 * 8 * 32 * dtype.itemsize)  # two or three chunks a piece
     pieces = codec.diff(value, base_bits, chunks, out=torch.full_like(base_bits, -1))
     assert_same_delta(pieces, whole, tuple(base.shape), chunks)
     assert (pieces.data == ESCAPE).sum() == 2 * escapes
@@ -448,10 +449,10 @@ def test_the_host_kernels_take_the_delta_the_torch_code_takes(monkeypatch, codec
         value[90, :4] = torch.tensor([float("inf"), float("nan"), 2.0, -float("inf")], dtype=torch.float64)
     base, value = base.to(dtype), value.to(dtype)
     base_bits = to_bits(base).clone()
-    monkeypatch.setattr(amber_codecs, "_PIECE_BYTES", 2 * 8 * 32 * dtype.itemsize)  # pieces on both threads
-    monkeypatch.setattr(amber_codecs, "_PIECE", 1000)
+    monkeypatch.setattr(amber_codecs.device, "PIECE_BYTES", 2 * 8 * 32 * dtype.itemsize)  # pieces on both threads
+    monkeypatch.setattr(amber_codecs.device, "PIECE", 1000)
     host = codec.diff(value, base_bits, chunks)
-    monkeypatch.setattr(amber_codecs, "HOST_KERNELS", False)
+    monkeypatch.setattr(amber_codecs.device, "HOST_KERNELS", False)
     reference = codec.diff(value.to(device), base_bits, chunks)
     assert_same_delta(host, reference, tuple(base.shape), chunks)
     assert reference.changes is not None or (host.data != 0).sum() > 100
@@ -468,16 +469,16 @@ def test_chunks_serialized_as_the_diff_takes_each_piece_are_those_serialized_aft
     value = base * (1 + 0.05 * torch.randn(base.shape, generator=g))
     value[20:44] = base[20:44]  # chunks that do not move
     base_bits = to_bits(base).clone()
-    monkeypatch.setattr(amber_codecs, "_PIECE_BYTES", 2 * 8 * 32 * 4)  # pieces on both threads
-    monkeypatch.setattr(amber_codecs, "_PIECE", 2 * 8 * 32)
+    monkeypatch.setattr(amber_codecs.device, "PIECE_BYTES", 2 * 8 * 32 * 4)  # pieces on both threads
+    monkeypatch.setattr(amber_codecs.device, "PIECE", 2 * 8 * 32)
     runs, padded = chunk_runs((100, 32), chunks), math.prod(chunks)
     compression = amber_codecs.Compression()
-    fused = codec.diff(value, base_bits, chunks, finish=functools.partial(amber_pipeline.piece_chunks, codec, padded,
+    fused = codec.diff(value, base_bits, chunks, finish=functools.partial(stepwriter.piece_chunks, codec, padded,
                                                                            compression, 4))
     assert fused.encoded is not None and len(fused.encoded) > 1
     after = codec.diff(value, base_bits, chunks)
     assert after.encoded is None
-    jobs = amber_pipeline.submit_delta(amber_codecs.codec_pool(), codec, after, after.recon.numpy().reshape(-1), runs,
+    jobs = stepwriter.submit_delta(codec_pool(), codec, after, after.recon.numpy().reshape(-1), runs,
                                        padded, compression, 4)
     assert [c for piece in fused.encoded for c in piece] == [c for job in jobs for c in job.result()]
 
@@ -487,7 +488,7 @@ def test_chunks_serialized_as_the_diff_takes_each_piece_are_those_serialized_aft
 def test_small_tensors_diffed_together_store_what_each_diffed_alone_would(monkeypatch, local_store, codec,
                                                                           batch_bytes, diff_path):
     if batch_bytes:
-        monkeypatch.setattr(amber_pipeline, "BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(stepwriter, "BATCH_BYTES", batch_bytes)
     g = torch.Generator().manual_seed(8)
     shapes = [(256,), (300,), (100, 3), (513,), (1000,), (4096,), (40,)]  # block-aligned or not; one too small
     base = {f"t{i}": torch.rand(shape, generator=g) + 0.5 for i, shape in enumerate(shapes)}
@@ -642,7 +643,7 @@ def test_sparse_and_pack4_serializers_round_trip_their_own_encoded_form(codec, d
                          ids=["block", "ratio"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_readers_restore_in_one_kernel_pass_the_bits_the_torch_restore_gives(codec, dtype):
-    # float32/float64 chunks are restored in place by amber_store.kernels, others by torch:
+    # float32/float64 chunks are restored in place by amber_store.codecs.kernels, others by torch:
     # both must give the writer's bits (code 0 on -0.0, NaN and inf bases included).
     g = torch.Generator().manual_seed(7)
     base = (torch.rand(1000, generator=g) + 0.5).to(dtype)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import amber_store as amber
-from amber_store import pipeline
+from amber_store import stepwriter
 from backends.process import free_port
 from conftest import OBJECT_STORES, assert_bit_equal, assert_tree_bit_equal, save_at_once, store_uri
 
@@ -35,7 +35,7 @@ def state(seed: int) -> dict:
 
 def after_first_object(monkeypatch: pytest.MonkeyPatch, action) -> None:
     """Run ``action`` once, right after a save's first data object has been written."""
-    original = pipeline.StepWriter._put
+    original = stepwriter.StepWriter._put
     done = []
 
     def put(self, key, payload, weight):
@@ -45,7 +45,7 @@ def after_first_object(monkeypatch: pytest.MonkeyPatch, action) -> None:
             wait(list(self._writes))
             action()
 
-    monkeypatch.setattr(pipeline.StepWriter, "_put", put)
+    monkeypatch.setattr(stepwriter.StepWriter, "_put", put)
 
 
 def test_a_round_trip_and_a_lazy_slice_read_back_bit_exact(object_server):

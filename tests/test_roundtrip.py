@@ -313,7 +313,7 @@ def test_log_bases_bound_every_read_to_log2_full_every_plus_one_objects(make_sto
 
 def test_auto_bases_diff_lossless_tensors_against_the_full_step_and_lossy_ones_on_a_skip_list(make_store):
     store = make_store(full_every=8, pack_threshold=0, codec=[("lossy", "quant8")])
-    assert store.writer.base_policy == "auto"  # the default
+    assert store.options.base_policy == "auto"  # the default
     g = torch.Generator().manual_seed(0)
     state = {"exact": torch.randn(64, 64, generator=g), "lossy": torch.randn(64, 64, generator=g)}
     for step in range(8):

@@ -86,10 +86,10 @@ class AmberCheckpointIO(CheckpointIO):
             return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         if pointer.uri == self.store.uri:
-            return self.store._load(pointer.step, pointer.tree, lazy=False, device=device)
+            return self.store.load(pointer.step, lazy=False, device=device, tree=pointer.tree)
         other = open_store(pointer.uri, self.storage_options, mode="r")  # another run's checkpoint
         try:
-            return other._load(pointer.step, pointer.tree, lazy=False, device=device)
+            return other.load(pointer.step, lazy=False, device=device, tree=pointer.tree)
         finally:
             other.close()
 

@@ -9,7 +9,7 @@ one or two vectorized passes that stay in the CPU's cache, release the GIL, and 
 per codec thread. They make the torch code's decisions (but where torch's float32 ``log2``
 rounds across a code or an exponent, which they decide exactly: vanishingly rare) and write
 the reconstruction readers compute, to the bit: the tests check both against the torch code
-run on the same CPU tensors. More serve :mod:`amber_store.entropy`: ``nibbles``, ``nonzeros``
+run on the same CPU tensors. More serve :mod:`amber_store.codecs.ans`: ``nibbles``, ``nonzeros``
 and ``gaps`` lay out codes in one call where a dozen numpy passes would each take the GIL;
 ``ans`` and ``unans`` are its rANS coder. ``zigzag_diff`` and ``unzigzag_add`` are the lossless
 diff codec's encode and decode: one call per chunk where numpy took five passes per cache-sized
@@ -358,7 +358,7 @@ def nibbles(codes, packed, at):  # pragma: no cover (compiled)
     """``codes`` (int8) two a byte into ``packed`` (``ceil(n / 2)`` bytes; an odd count pads a
     0): code ``2i`` in the low nibble, ``2i + 1`` in the high one, as 4-bit two's complement,
     a code outside [-7, 7] as -8, whose positions go to ``at``; returns how many there are.
-    (:func:`amber_store.entropy.encode_codes`'s nibble layout: one call instead of a dozen
+    (:func:`amber_store.codecs.ans.encode_codes`'s nibble layout: one call instead of a dozen
     numpy passes that each take the GIL.)"""
     n = codes.size
     for j in range(n // 2):

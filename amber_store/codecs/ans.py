@@ -4,7 +4,7 @@ zstd stores codes that cluster near zero about twice as large as their entropy (
 bits per code at 0.55 bits of entropy; its Huffman stage spends at least one bit per literal).
 An asymmetric numeral system coder driven by the chunk's own histogram reaches the entropy
 (0.551 bits at 0.551). The coder is ``constriction``'s rANS (formats 4-8 were written by it),
-restated as numba kernels (:func:`amber_store.kernels.ans` and ``unans``: the same words and
+restated as numba kernels (:func:`amber_store.codecs.kernels.ans` and ``unans``: the same words and
 the same codes, which the tests check against constriction's own on many histograms) that
 release the GIL, so both cores code: ``ans_encode`` of 1M codes takes 6.4-7.3 ms (8.3-9.0 with
 constriction's encoder), ``ans_decode`` 8.1-8.6 ms (12-22), and constriction took one core at a
@@ -41,7 +41,7 @@ from numcodecs import zstd
 
 def ans_encode(codes: np.ndarray) -> bytes:
     """``codes`` (int8, any shape; read in C order) as one coded block (by
-    :func:`amber_store.kernels.ans`: constriction's words, with the GIL released)."""
+    :func:`amber_store.codecs.kernels.ans`: constriction's words, with the GIL released)."""
     from . import kernels
 
     flat = codes.reshape(-1)
@@ -108,7 +108,7 @@ def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[b
     """:func:`encode_codes` of each row of ``rows`` (int8, ``(chunks, n)``), or ``None`` for a
     row of zeros; and the positions of the nonzero code ``find`` in each row (an empty list
     without it). A row's layout is found and packed by kernels that release the GIL
-    (:mod:`amber_store.kernels`: its nonzero codes, their gaps, the nibbles); what holds it is
+    (:mod:`amber_store.codecs.kernels`: its nonzero codes, their gaps, the nibbles); what holds it is
     the rANS coder and a few numpy calls a row."""
     from . import kernels
 

@@ -1,0 +1,82 @@
+"""The one registry of codecs: each delta codec by its manifest encoding and its zarr codec name
+(registered with zarr), the named codecs a store's ``codec=`` takes, the presets, and
+:class:`Policy`, which picks a tensor's codec. :mod:`amber_store.format` checks its list of
+encodings against this one (a test)."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Sequence, Union
+
+from zarr.registry import register_codec
+
+from .base import DeltaCodec
+from .entropy import AnsBytesCodec, BlockDeltaCodec, RatioDeltaCodec
+from .lossless import DiffDeltaCodec, XorDeltaCodec
+from .quantized import Pack4BytesCodec, QuantizedDeltaCodec
+from .sparse import SparseBytesCodec, SparseDeltaCodec
+
+
+#: every delta codec by the encoding manifests name it by
+DELTA_ENCODINGS: dict[str, type[DeltaCodec]] = {c.encoding: c for c in (
+    XorDeltaCodec, DiffDeltaCodec, SparseDeltaCodec, QuantizedDeltaCodec, BlockDeltaCodec, RatioDeltaCodec)}
+#: the array-to-bytes codecs the delta codecs serialize with
+SERIALIZERS: tuple[type[Any], ...] = (SparseBytesCodec, Pack4BytesCodec, AnsBytesCodec)
+for _codec in (*DELTA_ENCODINGS.values(), *SERIALIZERS):
+    register_codec(_codec.name, _codec)
+
+CodecLike = Union[str, DeltaCodec]
+CodecPolicy = Union[CodecLike, Sequence[tuple[str, CodecLike]]]
+_NAMED: dict[str, DeltaCodec] = {
+    "lossless": DiffDeltaCodec(),
+    "diff": DiffDeltaCodec(),
+    "xor": XorDeltaCodec(),
+    "sparse": SparseDeltaCodec(),
+    "quant8": QuantizedDeltaCodec(bits=8),
+    "quant4": QuantizedDeltaCodec(bits=4),
+    "block": BlockDeltaCodec(),
+    "ratio": RatioDeltaCodec(),
+}
+
+#: Named policies. ``"lossy"``, the recommended lossy preset: Adam's second moments (positive,
+#: dividing the update) by ratio within 10%; weights (and every other float tensor) by blocks
+#: to 7% of a block's RMS value; Adam's first moment, which changes wholesale between
+#: checkpoints and costs the most to keep, coarsely (its error fades within a few dozen steps).
+#: benchmarks/lossy.py measures it against finer and coarser settings.
+PRESETS: dict[str, list[tuple[str, DeltaCodec]]] = {
+    "lossy": [("*exp_avg_sq", RatioDeltaCodec(step=0.2)), ("*exp_avg", BlockDeltaCodec(step=6.0)),
+              ("*", BlockDeltaCodec(step=0.1))],
+}
+
+
+def codec_named(codec: CodecLike) -> DeltaCodec:
+    if isinstance(codec, DeltaCodec):
+        return codec
+    try:
+        return _NAMED[codec]
+    except KeyError:
+        raise ValueError(f"unknown codec {codec!r}; use one of {sorted(_NAMED)} or a DeltaCodec (or, for a whole "
+                         f"store, a preset: {sorted(PRESETS)})") from None
+
+
+class Policy:
+    """Which delta codec each tensor gets: one codec for all (default ``"lossless"``, the
+    :class:`DiffDeltaCodec`), or rules ``[(pattern, codec), ...]`` matched in order against the
+    tensor key with :mod:`fnmatch` (e.g. ``[("optim/*", "sparse"), ("*", "lossless")]``), or a
+    preset's name (:data:`PRESETS`). Unmatched tensors, and tensors a lossy codec does not apply
+    to (integers, bool, fewer than its ``min_numel`` elements, such as Adam's step counters),
+    stay lossless."""
+
+    def __init__(self, policy: CodecPolicy = "lossless") -> None:
+        if isinstance(policy, str) and policy in PRESETS:
+            policy = PRESETS[policy]
+        rules = [("*", policy)] if isinstance(policy, (str, DeltaCodec)) else list(policy)
+        self.rules = [(pattern, codec_named(c)) for pattern, c in rules]
+
+    def for_tensor(self, key: str, dtype: str, numel: int) -> DeltaCodec:
+        for pattern, codec in self.rules:
+            if fnmatch.fnmatchcase(key, pattern):
+                return codec if codec.applies_to(dtype, numel) else _NAMED["lossless"]
+        return _NAMED["lossless"]
+
+

@@ -1,0 +1,91 @@
+"""Where work runs: zarr's event loop (every storage call), the process's thread pools (codecs,
+step writers, snapshot copies, host transfers), and waits on them that stay interruptible.
+
+Pools are made at first use and shared by every store of the process: their sizes are facts
+of the machine, not of one store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, TypeVar
+
+from zarr.core.sync import sync
+
+T = TypeVar("T")
+
+#: threads of :func:`codec_pool`: one per core
+CODEC_THREADS = os.cpu_count() or 2
+#: concurrent saves whose writers run at once (:func:`writer_pool`)
+WRITER_THREADS = 32
+_CODEC_POOL = "amber-codec"
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+async def _running_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.get_running_loop()
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """zarr's event loop (a thread of its own), on which every storage call runs."""
+    return sync(_running_loop())
+
+
+def interruptible(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on zarr's event loop and wait for it, like zarr's ``sync``, but cancel it
+    when the wait is interrupted (KeyboardInterrupt): a save interrupted before its commit is
+    then never committed behind the caller's back."""
+    future = asyncio.run_coroutine_threadsafe(coro, event_loop())
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()
+        raise
+
+
+async def gather(aws: Iterable[Any]) -> list[Any]:
+    """Await all, in order; on the first failure cancel the rest and wait for them, then raise
+    it, so no read (or delete) outlives the call that failed, nor reports to a closed loop at
+    exit."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def shared_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """The process's one pool of threads named ``name``, made at first use with ``workers``
+    threads and shared by every store."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        return pool
+
+
+def codec_pool() -> ThreadPoolExecutor:
+    """The threads that diff, checksum, compress and decompress chunks (all release the GIL),
+    one per core."""
+    return shared_pool(_CODEC_POOL, CODEC_THREADS)
+
+
+def on_codec_thread() -> bool:
+    """Whether the caller is one of :func:`codec_pool`'s threads (which must not wait on it)."""
+    return threading.current_thread().name.startswith(_CODEC_POOL)
+
+
+def writer_pool() -> ThreadPoolExecutor:
+    """Threads that run a save's step writer. A writer waits on the event loop for its writes,
+    and a local write runs on the loop's default executor: were writers drawn from that
+    executor too, as many concurrent saves as its threads (6 on 2 cores) would wait forever
+    for writes that have no thread left to run on. Past this pool's size, saves queue."""
+    return shared_pool("amber-writer", WRITER_THREADS)
