@@ -10,9 +10,12 @@ step by the rank that owns it, which keeps that base in host memory for its own 
 rank writes through the same step writer as :meth:`Store.save`: its small items into one pack
 of its own (``pack-r<rank>``), each large item as one object.
 
-The commit is DCP's: every rank writes its items in ``write_data``, DCP gathers the results
-on the coordinator, and only then ``finish`` writes the step's manifest (the commit point). A
-failure on any rank means ``finish`` never runs, so the step stays invisible.
+A save is the store's one step transaction (:mod:`amber_store.writer`), its stages spread over
+DCP's: the coordinator plans the step in ``prepare_global_plan`` (newer than the latest, this
+process the store's only writer, its bases, its attempt group) and sends the plan to every
+rank; every rank writes its items in ``write_data`` by the save's deadline; DCP gathers the
+results on the coordinator, and only then ``finish`` seals the group and commits the manifest.
+A failure on any rank means ``finish`` never runs, so the step stays invisible.
 
 With FSDP2 / DTensor models, take the state with
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` and put it back
@@ -21,15 +24,16 @@ with ``set_state_dict`` after ``dcp.load``: both work unchanged with these class
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import io
 import os
 import pickle
 import re
 import threading
+import time
 import uuid
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,47 +52,55 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from zarr.core.sync import sync
 
 from . import format as fmt
-from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError
+from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StorageAccessError
 from .format import Manifest, TensorEntry
-from .history import next_segment, step_base
+from .options import Options
 from .reader import ReadSession
 from .runtime import gather
 from .stepwriter import BaseCache, Written
 from .store import Store, open
+from .writer import StepPlan
 
 _METADATA = "dcp.metadata"
 
 
-@dataclass(frozen=True)
-class _StepPlan:
-    """What the coordinator decides for one save and sends to every rank in its plan."""
+class _Process:
+    """What this process keeps of one store across DCP saves: the store itself, so that its
+    writer identity (the sole-writer check) and history live from one save to the next, as a
+    :class:`Store`'s do; the values of the items this rank wrote, so that the next save diffs
+    against memory (a save's values join the cache only once its step is seen committed: only
+    the coordinator learns of the commit directly); and, on the coordinator, the plan of a save
+    that has not reached its commit."""
 
-    step: int
-    bases: dict[str, int]  # by parent rule (History.base_steps); empty: a full step
-    depth: int
-    group: str
-    attempt: str
-    latest: int | None
-    segment: list[int]
-
-
-class _RankBases:
-    """This process's materialized values of the items it wrote, per store URI, so the next save
-    diffs against memory, not storage. A save's values join the cache only once its step is
-    seen committed (only the coordinator learns of the commit directly)."""
-
-    def __init__(self) -> None:
+    def __init__(self, store: Store) -> None:
+        self.store = store
         self.cache = BaseCache()
         self.pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.unfinished: StepPlan | None = None
+        self.numbered = False  # whether a save without a step has been told so
+
+    def promote(self) -> None:
+        """Cache the last save's values as a base once its step is committed."""
+        if self.pending is not None:
+            step, values = self.pending
+            if step in self.store.steps():
+                self.cache.put(step, values)
+                self.cache.keep(self.store.writer.live_bases(self.store.manifest(step)))
+                self.pending = None
 
 
-_BASES: dict[str, _RankBases] = {}
-_BASES_LOCK = threading.Lock()
+_PROCESS: dict[str, _Process] = {}
+_PROCESS_LOCK = threading.Lock()
 
 
-def _bases(uri: str) -> _RankBases:
-    with _BASES_LOCK:
-        return _BASES.setdefault(uri, _RankBases())
+def _process(uri: str, storage_options: dict[str, Any] | None, options: dict[str, Any]) -> _Process:
+    """This process's state of the store at ``uri``, opened now if it is not (or was with other
+    options)."""
+    with _PROCESS_LOCK:
+        held = _PROCESS.get(uri)
+        if held is None or held.store.options != Options(**options):
+            held = _PROCESS[uri] = _Process(open(uri, storage_options, mode="a", **options))
+        return held
 
 
 def item_key(index: MetadataIndex, kind: WriteItemType | LoadItemType) -> str:
@@ -100,11 +112,18 @@ def item_key(index: MetadataIndex, kind: WriteItemType | LoadItemType) -> str:
 
 
 class AmberStorageWriter(StorageWriter):
-    """A DCP StorageWriter that saves into an amber-store step (``step=None``: latest + 1).
+    """A DCP StorageWriter that saves into an amber-store step.
 
-    ``options`` are :func:`amber_store.open` options (``full_every``, ``codec``, ...). DCP's
-    ``checkpoint_id`` may repeat the store's URI, or name a step of it the way per-step
-    directories do: ``<uri>/step_<N>`` saves step N of the store at ``<uri>``.
+    The step is ``step``, or the one DCP's ``checkpoint_id`` names the way per-step directories
+    do (``<uri>/step_<N>`` saves step N of the store at ``<uri>``); with neither, the latest
+    step + 1 (said once, in a warning: a training job wants its own step numbers). ``options``
+    are :func:`amber_store.open` options (``full_every``, ``codec``, ``save_timeout``, ...).
+
+    A save is one step transaction (:mod:`amber_store.writer`): the coordinator plans it (the
+    step must be newer than the latest, and this process the store's only writer), every rank
+    writes its items by the save's deadline, and the coordinator seals and commits it in
+    ``finish``. A rank that fails deletes what it wrote; the coordinator deletes the rest of
+    an attempt that never reached ``finish`` at its next save.
     """
 
     def __init__(self, uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
@@ -115,9 +134,8 @@ class AmberStorageWriter(StorageWriter):
         self.options = options
         self.step = self._step = step
         self.full = full
-        self._store: Store | None = None
         self._is_coordinator = False
-        self._plan: _StepPlan | None = None
+        self._plan: StepPlan | None = None
         self.last_commit: Manifest | None = None
 
     # DCP protocol ---------------------------------------------------------------------
@@ -139,37 +157,45 @@ class AmberStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        store = self._open()
-        steps = store.steps()
-        latest = steps[-1] if steps else None
-        step = self.step if self.step is not None else (latest + 1 if latest is not None else 0)
-        if latest is not None and step <= latest:
-            raise StepOrderError(f"{store.uri}: step {step} is not newer than the latest committed step {latest}")
-        prev = store.manifest(latest) if latest is not None else None
-        bases = sync(store.history.base_steps(prev, store.options.base_policy, store.options.full_every, self.full, steps))
-        attempt = uuid.uuid4().hex[:8]
-        segment = next_segment(prev, bases, step)
-        decision = _StepPlan(step, bases, len(segment) - 1, fmt.step_group(step, attempt), attempt, latest, segment)
-        sync(store.writer.open_group(decision.group, step))
-        self._plan = decision  # finish() gets no plan: the coordinator remembers its decision
+        held = self._held()
+        store = held.store
+        if held.unfinished is not None:  # a save of this process that failed before its commit
+            sync(store.writer.discard(held.unfinished.group))
+            held.unfinished = None
+        step = self.step
+        if step is None:
+            latest = store.latest()
+            step = latest + 1 if latest is not None else 0
+            if not held.numbered:
+                held.numbered = True
+                warnings.warn(
+                    f"{store.uri}: a DCP save without a step is saved as step {step}, the latest + 1; to number "
+                    "checkpoints by training step, pass AmberStorageWriter(uri, step=N) or "
+                    "checkpoint_id='<uri>/step_<N>' (said once)", RuntimeWarning, stacklevel=2)
+        decision = sync(store.writer.plan(step, self.full))
+        held.unfinished = self._plan = decision  # finish() gets no plan: the coordinator remembers it
         return [dataclasses.replace(p, storage_data=decision) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        decision: _StepPlan = plan.storage_data
-        store = self._open()
-        bases = _bases(store.uri)
-        _promote(store, bases)
+        decision: StepPlan = plan.storage_data
+        held = self._held()
+        writer = held.store.writer
+        held.promote()
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        out = store.writer.step_writer(decision.group, pack_name=f"{fmt.PACK_PREFIX}-r{rank}",
-                                       recycle=bases.cache.recycle)
         keyed = {item_key(item.index, item.type): item for item in plan.items}
         tensors = {key: _item_tensor(planner.resolve_data(item)) for key, item in keyed.items()}
+        timeout = writer.timeout(sum(t.nbytes for t in tensors.values()))
+        keep = writer.kept_as_base(decision.depth)
         try:
-            store.writer.add_tensors(out, tensors, decision.bases, decision.depth, cache=bases.cache)
-            written = out.finish()
-        finally:
-            out.close()
-        bases.pending = (decision.step, written.values)
+            written = writer.write(
+                decision, lambda out: writer.add_tensors(out, tensors, decision.bases, keep, cache=held.cache),
+                pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=held.cache.recycle,
+                deadline=None if timeout is None else time.monotonic() + timeout)
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            raise StorageAccessError(
+                f"{held.store.uri}: saving step {decision.step} on rank {rank} did not finish within "
+                f"save_timeout={timeout:.0f} s ({e}); the step is not committed and earlier steps are untouched") from e
+        held.pending = (decision.step, written.values)
         # The rank's packs, array metadata and object keys ride on its first result.
         shared = {"packs": written.packs, "arrays": written.arrays, "keys": written.keys}
         results = [WriteResult(index=keyed[key].index, size_in_bytes=e.nbytes,
@@ -180,11 +206,13 @@ class AmberStorageWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        store = self._open()
+        held = self._held()
+        writer = held.store.writer
         decision = self._plan
         assert decision is not None, "finish() before prepare_global_plan()"
-        entries: dict[str, TensorEntry] = {}
+        t0 = time.perf_counter()
         index_to_key: dict[MetadataIndex, str] = {}
+        entries: dict[str, TensorEntry] = {}
         written = Written()
         for rank_results in results:
             for r in rank_results:
@@ -193,31 +221,18 @@ class AmberStorageWriter(StorageWriter):
                 written.packs.update(r.storage_data.get("packs", {}))
                 written.arrays.update(r.storage_data.get("arrays", {}))
                 written.keys.extend(r.storage_data.get("keys", []))
+        written.entries = dict(sorted(entries.items()))
         metadata.storage_data = index_to_key
         blob = pickle.dumps(metadata)
         meta_key = f"{decision.group}/{_METADATA}"
-        sync(store.history.backend.put_object(meta_key, [blob]))
+        sync(writer.backend.put_object(meta_key, [blob]))
         written.keys.append(meta_key)
-        created = sync(store.writer.seal(decision.group, decision.step, written))
-        manifest = Manifest(
-            step=decision.step,
-            kind="delta" if decision.bases else "full",
-            base=step_base(decision.bases, store.options.base_policy),
-            depth=decision.depth,
-            group=decision.group,
-            tree={"dict": [[k, {"tensor": k}] for k in sorted(entries)]},
-            tensors=dict(sorted(entries.items())),
-            created=created,
-            seconds=0.0,
-            attempt=decision.attempt,
-            writer=store.history.writer_id,
-            extra={"dcp": {"metadata": meta_key, "bytes": len(blob)}},
-            packs=written.packs,
-            segment=decision.segment,
-        )
-        sync(store.history.commit(manifest, decision.latest))
-        self.last_commit = manifest
-        _promote(store, _bases(store.uri))
+        created = sync(writer.seal(decision, written))
+        tree = {"dict": [[k, {"tensor": k}] for k in written.entries]}
+        self.last_commit = sync(writer.commit(decision, written, tree, created, time.perf_counter() - t0,
+                                              {"dcp": {"metadata": meta_key, "bytes": len(blob)}}))
+        held.unfinished = None
+        held.promote()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -228,10 +243,11 @@ class AmberStorageWriter(StorageWriter):
 
     # helpers ----------------------------------------------------------------------------
 
+    def _held(self) -> _Process:
+        return _process(self.uri, self.storage_options, self.options)
+
     def _open(self) -> Store:
-        if self._store is None:
-            self._store = open(self.uri, self.storage_options, mode="a", **self.options)
-        return self._store
+        return self._held().store
 
 
 def _item_tensor(data: Any) -> torch.Tensor:
@@ -239,16 +255,6 @@ def _item_tensor(data: Any) -> torch.Tensor:
         return data.detach()
     raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-
-
-def _promote(store: Store, bases: _RankBases) -> None:
-    """Cache the last save's values as a base once its step is committed."""
-    if bases.pending is not None:
-        step, values = bases.pending
-        if step in store.steps():
-            bases.cache.put(step, values)
-            bases.cache.keep(store.writer.live_bases(store.manifest(step)))
-            bases.pending = None
 
 
 def split_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, int | None]:
@@ -269,7 +275,7 @@ def _retarget(adapter: AmberStorageWriter | AmberStorageReader, checkpoint_id: s
     adapter.step = step if step is not None else adapter._step
     if uri == adapter.uri:
         return False
-    adapter.uri, adapter._store = uri, None
+    adapter.uri = uri
     return True
 
 
@@ -295,7 +301,8 @@ class AmberStorageReader(StorageReader):
         self._keys: dict[MetadataIndex, str] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        _retarget(self, checkpoint_id)
+        if _retarget(self, checkpoint_id):
+            self._store = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         store = self._open()

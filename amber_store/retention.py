@@ -27,7 +27,6 @@ import errno
 import json
 import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
@@ -42,7 +41,8 @@ from .history import History
 from .runtime import gather
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .stepwriter import StepWriter
+    from .writer import Writer
 
 _GROUP = re.compile(r"(\d{12})-[0-9a-f]+")
 
@@ -157,12 +157,12 @@ def policy(keep_last: int | None, keep_every: int | None) -> Retention | None:
     return AnyOf(LatestN(keep_last), *([EveryNSteps(keep_every)] if keep_every else []))
 
 
-def select(store: Store, retention: Retention | None, steps: list[int]) -> list[int]:
+def select(history: History, retention: Retention | None, steps: list[int]) -> list[int]:
     """The steps to keep: those ``retention`` preserves, every pinned step, and the latest."""
     if retention is None:
         return list(steps)
-    pinned = set(store.pins().values())
-    infos = [StepInfo(s, store.manifest(s).extra.get("metrics", {}), s in pinned) for s in steps]
+    pinned = set(sync(history.pins()).values())
+    infos = [StepInfo(s, sync(history.manifest(s)).extra.get("metrics", {}), s in pinned) for s in steps]
     keep = AnyOf(retention, Pinned(), LatestN(1)).should_preserve(infos)
     return [s for s, k in zip(steps, keep) if k]
 
@@ -176,17 +176,19 @@ async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[i
     return out
 
 
-def gc(store: Store, retention: Retention | None, *, dry_run: bool = False, grace_seconds: float = 3600.0) -> GCReport:
-    steps = store.steps()
-    return remove(store, select(store, retention, steps), steps, dry_run=dry_run, grace_seconds=grace_seconds)
+def gc(writer: Writer, retention: Retention | None, *, dry_run: bool = False,
+       grace_seconds: float = 3600.0) -> GCReport:
+    steps = sync(writer.history.steps())
+    return remove(writer, select(writer.history, retention, steps), steps, dry_run=dry_run,
+                  grace_seconds=grace_seconds)
 
 
-def remove(store: Store, keep: list[int], steps: list[int], *, dry_run: bool = False,
+def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool = False,
            grace_seconds: float = 3600.0) -> GCReport:
     """Delete every step of ``steps`` not in ``keep``, folding kept steps off them first, then
     sweep unreferenced objects."""
     t0 = time.perf_counter()
-    history = store.history
+    history = writer.history
     deleted = sorted(set(steps) - set(keep))
     needed = {k: sync(_deleted_deps(history, k, set(deleted))) for k in keep}
     rewrite = [k for k in keep if needed[k]]
@@ -201,12 +203,12 @@ def remove(store: Store, keep: list[int], steps: list[int], *, dry_run: bool = F
           grace_seconds)
     for step in rewrite:  # oldest first: a fold only ever diffs against already-safe steps
         try:
-            report.bytes_written += _fold(store, step, [k for k in keep if k < step], set(deleted))
+            report.bytes_written += _fold(writer, step, [k for k in keep if k < step], set(deleted))
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
             raise StorageAccessError(
-                f"{store.uri}: gc is out of space folding step {step} off deleted steps "
+                f"{history.uri}: gc is out of space folding step {step} off deleted steps "
                 f"{sorted(needed[step])}: it needs room for that step's rewritten tensors "
                 f"({len(report.orphans)} objects were freed first); free some space, or keep the steps it "
                 "depends on (a larger --keep-last) and run gc again") from e
@@ -229,37 +231,37 @@ def _drop(report: GCReport, history: History, steps: list[int], keep: list[int],
     report.objects_removed += len(garbage)
 
 
-def _fold(store: Store, step: int, earlier_kept: list[int], deleted: set[int]) -> int:
+def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int]) -> int:
     """Rewrite the tensors of ``step`` that depend on deleted steps; returns bytes written.
 
     Each becomes ``same`` as the previous kept step if equal to it, a delta against it if that
     step lies within the chain the tensor had (so chains never grow longer than they were),
     else full. Chunking and packing stay as they were: later steps' deltas build on them.
     """
-    history = store.history
-    m = store.manifest(step)
+    history = writer.history
+    m = sync(history.manifest(step))
     deps = {k: sync(history.dependencies(step, k)) for k in m.tensors}
     todo = [k for k in m.tensors if deleted & set(deps[k])]
-    base_m = store.manifest(earlier_kept[-1]) if earlier_kept else None
-    group = fmt.step_group(step, uuid.uuid4().hex[:8])
-    out = store.writer.step_writer(group)
-    refs = store.writer.bases_for(base_m, todo) if base_m is not None else {}
-    try:
-        sync(store.writer.open_group(group, step))
+    base_m = sync(history.manifest(earlier_kept[-1])) if earlier_kept else None
+    refs = writer.bases_for(base_m, todo) if base_m is not None else {}
+
+    def fill(out: StepWriter) -> None:
         for key in todo:
-            value = store.writer.materialized(step, key)
+            value = writer.materialized(step, key)
             ref = refs.get(key)
             if ref is not None and ref.step < deps[key][0] and not torch.equal(fmt.to_bits(value), ref.bits):
                 ref = None  # unchanged is free; a long new chain is not
             found = sync(history.holder(step, key))
             out.add(key, value, ref, layout=None if found is None else found[1])
-        written = out.finish()
-        created = sync(store.writer.seal(group, step, written))
+
+    plan = sync(writer.fold_plan(m))
+    group = plan.group
+    try:
+        written = writer.write(plan, fill)
+        created = sync(writer.seal(plan, written))
     except BaseException:
-        out.close()
-        sync(store.writer.discard(group))  # never to be used: give its space back at once
+        sync(writer.discard(group))  # never to be used: give its space back at once
         raise
-    out.close()
     for e in written.entries.values():  # the fold's pack sits beside the step's own
         if e.pack is not None:
             e.pack = [f"{e.pack[0]}@{group}", *e.pack[1:]]

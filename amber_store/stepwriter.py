@@ -637,6 +637,11 @@ class StepWriter:
         self._encoding.clear()
         self._writes.clear()
 
+    @property
+    def keys(self) -> list[str]:
+        """Every object written, or being written, so far."""
+        return self._out.keys
+
     def _time_left(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 

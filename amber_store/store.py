@@ -248,7 +248,7 @@ class Store:
         rules = retention.policy(keep_last, keep_every)
         if policy is not None:
             rules = policy if rules is None else retention.AnyOf(rules, policy)
-        return retention.gc(self, rules, dry_run=dry_run, grace_seconds=grace_seconds)
+        return retention.gc(self.writer, rules, dry_run=dry_run, grace_seconds=grace_seconds)
 
     def delete(self, step: int, *, dry_run: bool = False) -> GCReport:
         """Remove one committed step. Steps that read its data are folded off it first (as
@@ -261,7 +261,7 @@ class Store:
         if pinned:
             raise AmberError(f"{self.uri}: step {step} is pinned ({', '.join(pinned)}); unpin it first")
         steps = self.steps()
-        report = retention.remove(self, [s for s in steps if s != step], steps, dry_run=dry_run)
+        report = retention.remove(self.writer, [s for s in steps if s != step], steps, dry_run=dry_run)
         if not dry_run and self.history.last_commit == step:
             self.history.last_commit = None  # this writer's newest step is gone: it may go on
         return report

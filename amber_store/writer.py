@@ -1,11 +1,18 @@
 """Writing steps: the write side of a store, as :mod:`amber_store.reader` is its read side.
 
-A save checks the step against the history (newer than the latest, this the only writer),
-picks each tensor's base (:meth:`History.base_steps`), creates a fresh attempt group, encodes
-and writes every tensor into it on a writer thread (:class:`~amber_store.stepwriter.StepWriter`),
-seals the group (its consolidated metadata, then durability) and commits the manifest last.
-Retention's folds and the DCP writer build steps from the same pieces (:meth:`Writer.open_group`,
-:meth:`Writer.add_tensors`, :meth:`Writer.seal`, :meth:`Writer.bases_for`).
+Every step is written by one transaction, whoever writes it (:meth:`Store.save`, the ranks of a
+DCP save, gc's folds):
+
+1. :meth:`Writer.plan`: check the step against the history (newer than the latest, this the
+   only writer), pick its bases (:meth:`History.base_steps`) and create a fresh attempt group,
+   stamped with its start time. The plan is data: a DCP coordinator sends it to every rank.
+2. :meth:`Writer.write`: encode and write tensors into the group on a writer thread
+   (:class:`~amber_store.stepwriter.StepWriter`), by a deadline; one call per rank.
+3. :meth:`Writer.seal`: the group's consolidated metadata, then durability of every object.
+4. :meth:`Writer.commit`: the manifest, created exclusively (a fold replaces its step's).
+
+An attempt that fails before its commit is deleted (:meth:`Writer.abandon`) where it is known
+never to be committed; what a killed process leaves is gc's.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ import time
 import uuid
 from contextlib import suppress
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -41,6 +49,29 @@ AUTO_TIMEOUT_RATE = 20e6
 DISCARD_TIMEOUT = 10.0
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's transaction, decided before any data is written."""
+
+    step: int
+    #: the attempt group its data goes to (``steps/<step>-<attempt>``)
+    group: str
+    #: the newest committed step when planned: the commit refuses a step committed since
+    latest: int | None
+    #: the steps it diffs against, by parent rule (:meth:`History.base_steps`); empty: full
+    bases: dict[str, int]
+    #: the steps of its segment since the last full step, this one last
+    segment: list[int]
+
+    @property
+    def depth(self) -> int:
+        return len(self.segment) - 1
+
+    @property
+    def attempt(self) -> str:
+        return self.group.rsplit("-", 1)[1]
+
+
 class Writer:
     """Saves steps into one store with its :class:`~amber_store.options.Options`, keeping in
     memory the values later deltas diff against (:attr:`bases`)."""
@@ -51,26 +82,151 @@ class Writer:
         self.reader = reader
         self.options = options
         self.bases = BaseCache()
-        #: the format version the store's root names (a save of this version updates it)
+        #: the format version the store's root names (a commit of this version updates it)
         self.root_version: int | None = None
 
-    def _timeout(self, tensors: dict[str, torch.Tensor]) -> float | None:
+    def timeout(self, nbytes: int) -> float | None:
+        """The save deadline (seconds) of ``nbytes`` of tensors (``save_timeout``)."""
         if self.options.save_timeout == "auto":
-            return AUTO_TIMEOUT_SECONDS + sum(t.nbytes for t in tensors.values()) / AUTO_TIMEOUT_RATE
+            return AUTO_TIMEOUT_SECONDS + nbytes / AUTO_TIMEOUT_RATE
         return self.options.save_timeout
+
+    # --- the transaction ------------------------------------------------------------------
+
+    async def plan(self, step: int, full: bool | None = None, doing: list[str] | None = None) -> StepPlan:
+        """Check ``step`` against the history and open its attempt group (``full``: force a
+        full step, or a delta; ``None``: ``full_every`` decides). Each stage reached is
+        appended to ``doing``."""
+        doing = [] if doing is None else doing
+        history = self.history
+        doing.append("listing the steps")
+        steps = await history.steps()
+        latest = steps[-1] if steps else None
+        doing.append("checking for other writers")
+        await history.check_sole_writer(latest)
+        if latest is not None and step <= latest:
+            raise StepOrderError(f"{history.uri}: step {step} is not newer than the latest committed step {latest}")
+        doing.append("reading the manifests of its bases")
+        prev = await history.manifest(latest) if latest is not None else None
+        bases = await history.base_steps(prev, self.options.base_policy, self.options.full_every, full, steps)
+        plan = StepPlan(step, fmt.step_group(step, uuid.uuid4().hex[:8]), latest, bases, next_segment(prev, bases, step))
+        doing.append("creating its group")
+        await self.open_group(plan)
+        return plan
+
+    async def fold_plan(self, manifest: Manifest) -> StepPlan:
+        """A new attempt group for the committed step of ``manifest``, whose tensors a fold
+        rewrites (its manifest is then replaced, not created)."""
+        plan = StepPlan(manifest.step, fmt.step_group(manifest.step, uuid.uuid4().hex[:8]), None, {},
+                        list(manifest.segment))
+        await self.open_group(plan)
+        return plan
+
+    def write(self, plan: StepPlan, fill: Callable[[StepWriter], None], *, pack_name: str = fmt.PACK_PREFIX,
+              recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+              deadline: float | None = None) -> Written:
+        """Encode and write tensors into the plan's group: ``fill(out)`` adds them to a step
+        writer (:meth:`add_tensors`, or a fold's own), which writes them as they are encoded
+        and gives up at ``deadline`` (``time.monotonic()``). Runs on the calling thread (a
+        writer thread: the event loop must stay free for the writes). An attempt that fails
+        here is never committed: the objects this call wrote are deleted (those of a DCP save's
+        other ranks are not), but after a storage failure (see :meth:`abandon`)."""
+        out = StepWriter(functools.partial(self.backend.put_object, durable=self.options.durable), plan.group,
+                         self.options, pack_name=pack_name, recycle=recycle, deadline=deadline)
+        try:
+            fill(out)
+            written = out.finish()
+        except BaseException as e:
+            out.close()  # writes in flight settle first (or are cancelled, past the deadline)
+            if _dead(e):
+                sync(self.delete_objects(out.keys))
+            raise
+        out.close()
+        return written
+
+    async def seal(self, plan: StepPlan, written: Written) -> float:
+        """Write the group's zarr.json (with the consolidated metadata of its arrays), then make
+        every object of the group durable; returns the creation time recorded. After this, only
+        the commit is left."""
+        created = time.time()
+        key = f"{plan.group}/zarr.json"
+        await self.backend.put_object(key, [json_bytes(fmt.step_group_metadata(plan.step, created, written.arrays))])
+        if self.options.durable:
+            await self.backend.make_durable(written.keys + [key])
+        return created
+
+    async def commit(self, plan: StepPlan, written: Written, tree: dict[str, Any], created: float, seconds: float,
+                     extra: dict[str, Any]) -> Manifest:
+        """Create the step's manifest, the commit point, from what was written and sealed;
+        returns it. Not bounded by the save's deadline: once sent, a commit's outcome must be
+        learnt, not abandoned (a retried create that finds its own manifest is a success). A
+        commit another writer beat is abandoned."""
+        if self.root_version != fmt.FORMAT_VERSION:
+            await self.history.write_root()  # an older store now holds steps of this version
+            self.root_version = fmt.FORMAT_VERSION
+        manifest = Manifest(
+            step=plan.step,
+            kind="delta" if plan.bases else "full",
+            base=step_base(plan.bases, self.options.base_policy),
+            depth=plan.depth,
+            group=plan.group,
+            tree=tree,
+            tensors=written.entries,
+            created=created,
+            seconds=seconds,
+            attempt=plan.attempt,
+            writer=self.history.writer_id,
+            packs=written.packs,
+            segment=plan.segment,
+            extra=extra,
+        )
+        try:
+            await self.history.commit(manifest, plan.latest)
+        except ConcurrentWriterError as e:
+            await self.abandon(plan, e)
+            raise
+        return manifest
+
+    async def abandon(self, plan: StepPlan, cause: BaseException) -> None:
+        """Delete the data of an attempt known not to be committed at once, rather than at the
+        next gc, where the storage still answers: after a bug, a refused or lost race, or a full
+        disk (deleting frees space). After a network failure the attempt stays for gc."""
+        if _dead(cause):
+            await self.discard(plan.group)
+
+    async def discard(self, group: str) -> None:
+        """Delete an attempt group that is never committed (best effort, bounded in time)."""
+        with suppress(Exception):
+            await asyncio.wait_for(self.backend.delete_dir(group), DISCARD_TIMEOUT)
+
+    async def delete_objects(self, keys: list[str]) -> None:
+        """Delete objects of an attempt that will not be committed (best effort, bounded)."""
+        async def one(key: str) -> None:
+            with suppress(Exception):
+                await self.backend.delete(key)
+
+        with suppress(Exception):
+            await asyncio.wait_for(gather(one(k) for k in keys), DISCARD_TIMEOUT)
+
+    async def open_group(self, plan: StepPlan) -> None:
+        """Create the attempt group before its data, stamped with its start time, so retention
+        can tell a save in progress from the remains of a crashed one (``grace_seconds``)."""
+        await self.backend.put_object(f"{plan.group}/zarr.json",
+                                      [json_bytes(fmt.step_group_metadata(plan.step, time.time(), {}))])
+
+    # --- a save ---------------------------------------------------------------------------
 
     async def save(self, step: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor], full: bool | None,
                    t0: float, metrics: dict[str, float]) -> Manifest:
-        """Write ``tensors`` (the leaves of ``tree``) as ``step`` and commit it, within the save's
-        timeout; returns its manifest. An attempt that fails before its commit is deleted where
-        it is known to be dead (:meth:`_discard`)."""
-        timeout = self._timeout(tensors)
+        """Write ``tensors`` (the leaves of ``tree``) as ``step`` and commit it; everything but
+        the commit within the save's timeout. Returns its manifest."""
+        timeout = self.timeout(sum(t.nbytes for t in tensors.values()))
         deadline = None if timeout is None else time.monotonic() + timeout
-        group = fmt.step_group(step, uuid.uuid4().hex[:8])
-        doing = ["listing the steps"]  # the stage reached, for the message of a save out of time
+        doing: list[str] = []  # the stage reached, for the message of a save out of time
+        planned: list[StepPlan] = []
         try:
-            manifest, latest, values = await asyncio.wait_for(
-                self._stage(step, group, tree, tensors, full, t0, deadline, metrics, doing), timeout)
+            written, created = await asyncio.wait_for(self._stage(step, tensors, full, deadline, doing, planned),
+                                                      timeout)
         except (asyncio.TimeoutError, TimeoutError) as e:
             if deadline is None or time.monotonic() < deadline:
                 raise  # one request's own timeout
@@ -80,53 +236,33 @@ class Writer:
                 "are untouched"
             ) from e
         except Exception as e:
-            await self._discard(group, e)
+            if planned:
+                await self.abandon(planned[0], e)
             raise
-        # Not under the deadline: once sent, a commit's outcome must be learnt, not abandoned
-        # (a retried create that finds its own manifest is a success).
-        try:
-            await self.history.commit(manifest, latest)
-        except ConcurrentWriterError as e:
-            await self._discard(group, e)
-            raise
-        self.bases.put(step, values)
+        plan = planned[0]
+        manifest = await self.commit(plan, written, tree, created, time.perf_counter() - t0,
+                                     {"metrics": metrics} if metrics else {})
+        self.bases.put(step, written.values)
         self.bases.keep(self.live_bases(manifest))
         return manifest
 
-    async def _discard(self, group: str, cause: BaseException) -> None:
-        """Delete the data of an attempt known not to be committed at once, rather than at the
-        next gc, where the storage still answers: after a bug, a refused or lost race, or a full
-        disk (deleting frees space). After a network failure the attempt stays for gc."""
-        if not is_storage_error(cause) or getattr(cause, "errno", None) == errno.ENOSPC:
-            await self.discard(group)
-
-    async def discard(self, group: str) -> None:
-        """Delete an attempt group that is never committed (best effort, bounded in time)."""
-        with suppress(Exception):
-            await asyncio.wait_for(self.backend.delete_dir(group), DISCARD_TIMEOUT)
-
-    async def _stage(self, step: int, group: str, tree: dict[str, Any], tensors: dict[str, torch.Tensor],
-                     full: bool | None, t0: float, deadline: float | None, metrics: dict[str, float],
-                     doing: list[str]) -> tuple[Manifest, int | None, dict[str, torch.Tensor]]:
-        """Write and seal everything of the step but its commit; returns its manifest, the
-        latest step seen before, and the step's values as later deltas' bases. Each stage
-        reached is appended to ``doing``."""
-        history = self.history
-        steps = await history.steps()
-        latest = steps[-1] if steps else None
-        doing.append("checking for other writers")
-        await history.check_sole_writer(latest)
-        if latest is not None and step <= latest:
-            raise StepOrderError(f"{self.history.uri}: step {step} is not newer than the latest committed step {latest}")
-        doing.append("reading the manifests of its bases")
-        prev = await history.manifest(latest) if latest is not None else None
-        bases = await history.base_steps(prev, self.options.base_policy, self.options.full_every, full, steps)
-        segment = next_segment(prev, bases, step)
-        doing.append("creating its group")
-        await self.open_group(group, step)
+    async def _stage(self, step: int, tensors: dict[str, torch.Tensor], full: bool | None, deadline: float | None,
+                     doing: list[str], planned: list[StepPlan]) -> tuple[Written, float]:
+        """Plan, write and seal everything of the step but its commit (the plan goes into
+        ``planned`` as soon as it exists); returns what was written and the creation time."""
+        plan = await self.plan(step, full, doing)
+        planned.append(plan)
         doing.append("waiting for a writer thread")
-        job = asyncio.get_running_loop().run_in_executor(writer_pool(), self._write_tensors, group, step, tensors,
-                                                         bases, len(segment) - 1, deadline, doing)
+        keep = self.kept_as_base(plan.depth)
+
+        def fill(out: StepWriter) -> None:
+            # a tensor whose codec's parent rule never diffs against this position (a lossless
+            # one under "auto" in a delta step) keeps no copy of its value (kept_as_base)
+            doing.append("encoding and writing its data")
+            self.add_tensors(out, tensors, plan.bases, keep, desc=f"save {step}")
+
+        job = asyncio.get_running_loop().run_in_executor(
+            writer_pool(), functools.partial(self.write, plan, fill, recycle=self.bases.recycle, deadline=deadline))
         try:
             written = await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -138,27 +274,9 @@ class Writer:
                 doing.append(f"writing its data ({job.exception()})")
             raise
         doing.append("sealing its group")
-        created = await self.seal(group, step, written)
-        if self.root_version != fmt.FORMAT_VERSION:
-            await history.write_root()  # an older store now holds steps of this version
-            self.root_version = fmt.FORMAT_VERSION
-        manifest = Manifest(
-            step=step,
-            kind="delta" if bases else "full",
-            base=step_base(bases, self.options.base_policy),
-            depth=len(segment) - 1,
-            group=group,
-            tree=tree,
-            tensors={key: written.entries[key] for key in tensors},
-            created=created,
-            seconds=time.perf_counter() - t0,
-            attempt=group.rsplit("-", 1)[1],
-            writer=history.writer_id,
-            packs=written.packs,
-            segment=segment,
-            extra={"metrics": metrics} if metrics else {},
-        )
-        return manifest, latest, written.values
+        return written, await self.seal(plan, written)
+
+    # --- what a step's tensors diff against --------------------------------------------------
 
     def live_bases(self, m: Manifest) -> set[int]:
         """Steps of ``m``'s segment that a later save may diff against."""
@@ -175,30 +293,14 @@ class Writer:
         horizon = 2 * max(self.options.full_every, depth + 2)
         return {PARENTS[p](r) for p in policies for r in range(depth + 1, horizon)}
 
-    def _write_tensors(self, group: str, step: int, tensors: dict[str, torch.Tensor],
-                       bases: dict[str, int], depth: int, deadline: float | None, doing: list[str]) -> Written:
-        """Encode and write every tensor into ``group`` (on a worker thread, so the event loop
-        stays free for the writes), giving up at ``deadline`` (``time.monotonic()``). The step
-        is at position ``depth`` of its segment: a tensor whose codec's parent rule never
-        diffs against that position (a lossless one under ``auto`` in a delta step) keeps no
-        copy of its value (:meth:`kept_as_base`)."""
-        doing.append("encoding and writing its data")
-        out = self.step_writer(group, recycle=self.bases.recycle, deadline=deadline)
-        try:
-            self.add_tensors(out, tensors, bases, depth, desc=f"save {step}")
-            return out.finish()
-        finally:
-            out.close()
-
-    def add_tensors(self, out: StepWriter, tensors: dict[str, torch.Tensor], bases: dict[str, int], depth: int,
-                    cache: BaseCache | None = None, desc: str | None = None) -> None:
-        """Add ``tensors`` to the step writer ``out`` for a step at position ``depth`` of its
-        segment, each with its codec against its base (:meth:`tensor_bases`), keeping the values
-        a later save may diff against (:meth:`kept_as_base`); ``desc`` labels a progress bar
+    def add_tensors(self, out: StepWriter, tensors: dict[str, torch.Tensor], bases: dict[str, int],
+                    keep: dict[bool, bool], cache: BaseCache | None = None, desc: str | None = None) -> None:
+        """Add ``tensors`` to the step writer ``out``, each with its codec against its base
+        (:meth:`tensor_bases`), keeping the values a later save may diff against (``keep``:
+        :meth:`kept_as_base` of the step's position); ``desc`` labels a progress bar
         (``progress=True``)."""
         codecs = self.codecs_for(tensors)
         refs = self.tensor_bases(bases, codecs, cache)
-        keep = self.kept_as_base(depth)
         items = tqdm(tensors.items(), desc=desc, unit="tensor", disable=desc is None or not self.options.progress)
         for key, tensor in items:
             out.add(key, tensor, refs.get(key), codecs[key], keep=keep[codecs[key].lossless])
@@ -220,27 +322,6 @@ class Writer:
         for base, some in keys.items():
             refs.update(self.bases_for(sync(self.history.manifest(base)), some, cache))
         return refs
-
-    def step_writer(self, group: str, pack_name: str = fmt.PACK_PREFIX, **kwargs: Any) -> StepWriter:
-        """A writer of tensors into the attempt group ``group`` with this store's options."""
-        return StepWriter(functools.partial(self.backend.put_object, durable=self.options.durable), group,
-                          self.options, pack_name=pack_name, **kwargs)
-
-    async def open_group(self, group: str, step: int) -> None:
-        """Create the attempt group before its data, stamped with its start time, so retention
-        can tell a save in progress from the remains of a crashed one (``grace_seconds``)."""
-        await self.backend.put_object(f"{group}/zarr.json", [json_bytes(fmt.step_group_metadata(step, time.time(), {}))])
-
-    async def seal(self, group: str, step: int, written: Written) -> float:
-        """Write the group's zarr.json (with the consolidated metadata of its arrays), then make
-        every object of the group durable; returns the creation time recorded. After this, only
-        the commit is left."""
-        created = time.time()
-        key = f"{group}/zarr.json"
-        await self.backend.put_object(key, [json_bytes(fmt.step_group_metadata(step, created, written.arrays))])
-        if self.options.durable:
-            await self.backend.make_durable(written.keys + [key])
-        return created
 
     def bases_for(self, base: Manifest, keys: list[str], cache: BaseCache | None = None) -> dict[str, Base | None]:
         """The value of each of ``keys`` at step ``base`` as host bits, with the entry holding
@@ -272,3 +353,10 @@ class Writer:
         """The whole tensor ``key`` of ``step``, read now."""
         e = sync(self.history.manifest(step)).tensors[key]
         return fmt.numpy_to_tensor(sync(self.reader.read(step, key)), e.dtype)
+
+
+def _dead(cause: BaseException) -> bool:
+    """Whether an attempt that failed with ``cause`` is to be deleted at once: after a bug, a
+    refused or lost race, an interrupt or a full disk (deleting frees space), but not after a
+    storage failure, which a delete would likely meet too (the attempt then waits for gc)."""
+    return not is_storage_error(cause) or getattr(cause, "errno", None) == errno.ENOSPC

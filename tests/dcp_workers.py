@@ -6,14 +6,19 @@ test; WORLD_SIZE=1 without MASTER_PORT means a single process without a process 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from amber_store import dcp as amber_dcp
+from amber_store import stepwriter
 from amber_store.dcp import AmberStorageReader, AmberStorageWriter
 
 SHAPE = (10, 24)  # 10 rows split unevenly over 3 ranks: 4, 4, 2
@@ -37,8 +42,22 @@ def sharded(state: dict[str, torch.Tensor], mesh) -> dict:
             "meta": {"lr": 0.01, "version": 1}}
 
 
+def expect_failure(rank: int, save) -> None:
+    """Run ``save``, which must fail; print the failure (DCP raises a CheckpointException, a
+    BaseException, on every rank, carrying each failed rank's error)."""
+    try:
+        save()
+    except BaseException as e:
+        if isinstance(e, (SystemExit, KeyboardInterrupt)):
+            raise
+        print(f"rank {rank}: save failed as expected: {type(e).__name__}: {e}".replace("\n", " "), flush=True)
+    else:
+        raise SystemExit("the save should have failed")
+
+
 def main() -> None:
     job, uri, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    store_options = options.pop("store", {})  # the rest are storage options
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = "MASTER_PORT" in os.environ
     mesh = None
@@ -69,6 +88,54 @@ def main() -> None:
                 print(f"rank {rank}: save failed as expected: {type(e).__name__}", flush=True)
             else:
                 raise SystemExit("the save should have failed")
+        elif job == "interleaved":  # step 1; then, once the test says so, step 3
+            go = Path(options.pop("go"))
+            dcp.save(sharded(expected(1), mesh), storage_writer=AmberStorageWriter(uri, options, step=1, **store_options))
+            if rank == 0:
+                while not go.exists():
+                    time.sleep(0.05)
+            if distributed:
+                dist.barrier()
+            expect_failure(rank, lambda: dcp.save(sharded(expected(2), mesh),
+                                                  storage_writer=AmberStorageWriter(uri, options, step=3,
+                                                                                    **store_options)))
+        elif job == "fail_after_write":  # the last rank fails after writing an object; then a save succeeds
+            original_put = stepwriter.StepWriter._put
+
+            def put_then_fail(self, key, parts, weight):
+                original_put(self, key, parts, weight)
+                if rank == world - 1:
+                    from concurrent.futures import wait
+                    wait(list(self._writes))
+                    raise RuntimeError(f"rank {rank} fails after writing {key}")
+
+            stepwriter.StepWriter._put = put_then_fail
+            expect_failure(rank, lambda: dcp.save(sharded(expected(1), mesh),
+                                                  storage_writer=AmberStorageWriter(uri, options, step=1,
+                                                                                    **store_options)))
+            stepwriter.StepWriter._put = original_put
+            if rank == 0:
+                held = amber_dcp._PROCESS[uri]
+                from zarr.core.sync import collect_aiterator
+                keys = list(collect_aiterator(held.store.history.backend.list_prefix(held.unfinished.group + "/")))
+                print("FAILED", held.unfinished.group, *keys, flush=True)
+            dcp.save(sharded(expected(2), mesh), storage_writer=AmberStorageWriter(uri, options, step=2, **store_options))
+        elif job == "hang":  # the last rank's storage stops answering its data writes
+            if rank == world - 1:
+                from amber_store.storage.local import LocalBackend
+                original = LocalBackend.put_object
+
+                async def hang(self, key, parts, durable=False):
+                    if not key.endswith("zarr.json"):  # its data, not the group's metadata
+                        await asyncio.sleep(3600)
+                    return await original(self, key, parts, durable)
+
+                LocalBackend.put_object = hang
+            t0 = time.monotonic()
+            expect_failure(rank, lambda: dcp.save(sharded(expected(2), mesh),
+                                                  storage_writer=AmberStorageWriter(uri, options, step=5, full=True,
+                                                                                    **store_options)))
+            print(f"rank {rank}: failed after {time.monotonic() - t0:.1f} s", flush=True)
         elif job == "load":  # into DTensors of this world size, or full tensors in one process
             want = expected(int(options.pop("version", 2)))
             step = options.pop("step", None)

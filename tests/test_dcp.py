@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import amber_store as amber
+from amber_store import format as fmt
 from amber_store.dcp import AmberStorageReader, AmberStorageWriter
 from backends.process import free_port
 from conftest import BUCKET, assert_bit_equal
@@ -24,6 +27,11 @@ WORKER = Path(__file__).parent / "dcp_workers.py"
 
 def launch(job: str, world: int, uri: str, options: dict | None = None) -> list[str]:
     """Run ``job`` on ``world`` ranks (gloo on loopback); world 0 means one process, no group."""
+    return wait_for(start(job, world, uri, options), job)
+
+
+def start(job: str, world: int, uri: str, options: dict | None = None) -> list[subprocess.Popen]:
+    """Start ``job`` on ``world`` ranks without waiting for it (see :func:`launch`)."""
     port = free_port()
     procs = []
     for rank in range(max(world, 1)):
@@ -33,6 +41,11 @@ def launch(job: str, world: int, uri: str, options: dict | None = None) -> list[
                        MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), job, uri, json.dumps(options or {})], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def wait_for(procs: list[subprocess.Popen], job: str) -> list[str]:
+    """Every rank's output, once all have finished (each must succeed)."""
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -133,3 +146,68 @@ def test_a_step_saved_without_dcp_is_refused_by_the_reader(tmp_path):
 
     with pytest.raises(CheckpointException, match="not written through torch.distributed.checkpoint"):
         dcp.load({"w": torch.zeros(2)}, storage_reader=AmberStorageReader(tmp_path / "c"))
+
+
+def test_a_second_job_writing_the_store_between_a_multi_rank_jobs_saves_makes_its_next_save_fail(dcp_location,
+                                                                                                  tmp_path):
+    uri, opts = dcp_location
+    go = tmp_path / "go"
+    job = start("interleaved", 2, uri, {**opts, "go": str(go)})
+    store = amber.open(uri, opts or None)
+    deadline = time.monotonic() + 120
+    while store.steps() != [1] and time.monotonic() < deadline:  # the job's first save
+        time.sleep(0.1)
+    store.save(2, {"w": torch.ones(3)})  # another job commits in between
+    go.touch()
+    outs = wait_for(job, "interleaved")
+    assert all("save failed as expected" in o and "ConcurrentWriterError" in o and "two jobs are writing one store"
+               in o for o in outs), outs
+    assert store.steps() == [1, 2]
+
+
+def test_a_rank_failing_after_writing_deletes_its_objects_and_the_next_save_the_rest_of_the_attempt(dcp_location):
+    from zarr.core.sync import collect_aiterator
+
+    uri, opts = dcp_location
+    outs = launch("fail_after_write", 2, uri, {**opts, "store": {"pack_threshold": 0}})
+    assert all("save failed as expected" in o and "rank 1 fails after writing" in o for o in outs), outs
+    failed = next(line.split() for line in outs[0].splitlines() if line.startswith("FAILED"))
+    group, keys = failed[1], failed[2:]
+    # rank 0's items (rows 0-4 of w, the first columns of emb, the replicated bias) are there;
+    # rank 1's one written object is gone
+    assert keys and all(any(f"{fmt.array_name(k)}/" in key for k in ("w/0_0", "emb/0_0", "bias/0")) or
+                        key.endswith("zarr.json") for key in keys), keys
+    store = amber.open(uri, opts or None, mode="r")
+    assert store.steps() == [2]
+    # deleted by the next save (SeaweedFS may keep an empty folder marker named as the group)
+    assert [k for k in collect_aiterator(store.history.backend.list_prefix(group + "/")) if k != group] == []
+    assert all("loaded bit-exact" in o for o in launch("load", 2, uri, opts))
+
+
+def test_a_multi_rank_save_whose_storage_stops_answering_fails_within_its_deadline(tmp_path):
+    uri = str(tmp_path / "ckpt")
+    launch("save", 2, uri)
+    t0 = time.monotonic()
+    outs = launch("hang", 2, uri, {"store": {"save_timeout": 3}})
+    assert time.monotonic() - t0 < 60
+    assert all("save failed as expected" in o and "did not finish within save_timeout=3 s" in o for o in outs), outs
+    assert amber.open(uri, mode="r").steps() == [0, 1]
+    assert all("loaded bit-exact" in o for o in launch("load", 2, uri))
+
+
+def test_dcp_saves_carry_the_training_step_refuse_an_older_one_and_say_once_when_they_have_none(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    uri = str(tmp_path / "ckpt")
+    state = {"w": torch.randn(64, 64)}
+    dcp.save(state, storage_writer=AmberStorageWriter(uri, step=100))
+    dcp.save(state, checkpoint_id=f"{uri}/step_200", storage_writer=AmberStorageWriter(uri))
+    with pytest.raises(CheckpointException, match="step 150 is not newer than the latest committed step 200"):
+        dcp.save(state, storage_writer=AmberStorageWriter(uri, step=150))
+    with pytest.warns(RuntimeWarning, match="saved as step 201, the latest"):
+        dcp.save(state, storage_writer=AmberStorageWriter(uri))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.save(state, storage_writer=AmberStorageWriter(uri))
+    assert not [w for w in caught if "without a step" in str(w.message)]  # said once
+    assert amber.open(uri, mode="r").steps() == [100, 200, 201, 202]

@@ -22,7 +22,7 @@ from urllib.parse import SplitResult
 from zarr.core.sync import sync
 
 from ..errors import InvalidURIError
-from .objectstore import ObjectStoreBackend
+from .objectstore import FRESH, ObjectStoreBackend
 
 #: per-request bounds (seconds) unless the options name them: a server that stops answering
 #: fails a request after its retries instead of after the SDK's 60 s read timeout, each
@@ -71,10 +71,8 @@ class AzureBackend(ObjectStoreBackend):
         from adlfs import AzureBlobFileSystem
 
         container, _, host = parts.netloc.partition("@")
-        if not container:
-            raise InvalidURIError(f"{uri}: an az URI needs a container: az://container/prefix")
-        text = f"{parts.scheme.lower()}://{parts.netloc}{parts.path}".rstrip("/")
-        opts = dict(storage_options)
+        text, path = cls.located(uri, parts, container)
+        opts = {**FRESH, **storage_options}
         if host and "account_name" not in opts:
             opts["account_name"] = host.split(".", 1)[0]
         endpoint = opts.pop("endpoint_url", None)
@@ -82,14 +80,11 @@ class AzureBackend(ObjectStoreBackend):
         timeouts = {k: opts.setdefault(k, v) for k, v in AZURE_TIMEOUTS.items()}
         if endpoint:
             opts.setdefault("connection_string", _connection_string(endpoint, opts))
-        # steps are discovered by listing: a cached listing would hide new commits
-        opts.setdefault("use_listings_cache", False)
-        opts.setdefault("skip_instance_cache", True)
         try:
             fs = AzureBlobFileSystem(asynchronous=True, **opts)
         except (TypeError, ValueError) as e:
             raise InvalidURIError(f"{text}: cannot create an azure filesystem: {e}") from None
-        backend = cls(fs, f"{container}{parts.path}".rstrip("/"), text, read_only)
+        backend = cls(fs, path, text, read_only)
         backend.retries, backend.timeouts = retries, timeouts
         fs.service_client = backend.client_like(fs.service_client)
         _LIVE[id(fs)] = fs

@@ -17,7 +17,7 @@ from urllib.parse import SplitResult
 
 from ..errors import InvalidURIError, StorageAccessError
 from .base import reason
-from .objectstore import ObjectStoreBackend
+from .objectstore import FRESH, ObjectStoreBackend
 
 #: bounds on each request (aiohttp ``ClientTimeout`` fields) unless ``requests_timeout`` is
 #: given: a server that stops answering fails a request after its attempts instead of never;
@@ -43,23 +43,18 @@ class GCSBackend(ObjectStoreBackend):
     def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any], read_only: bool) -> "GCSBackend":
         import aiohttp
 
-        if not parts.netloc:
-            raise InvalidURIError(f"{uri}: a gs URI needs a bucket: gs://bucket/prefix")
-        text = f"gs://{parts.netloc}{parts.path}".rstrip("/")
-        opts = dict(storage_options)
+        text, path = cls.located(uri, parts._replace(scheme="gs"))
+        opts = {**FRESH, **storage_options}
         if os.environ.get("STORAGE_EMULATOR_HOST"):
             opts.setdefault("token", "anon")
         opts.setdefault("requests_timeout", aiohttp.ClientTimeout(**GCS_TIMEOUTS))
-        # steps are discovered by listing: a cached listing would hide new commits
-        opts.setdefault("use_listings_cache", False)
-        opts.setdefault("skip_instance_cache", True)
         try:
             fs = _filesystem(int(opts.pop("retries", GCS_RETRIES)))(asynchronous=True, **opts)
         except TypeError as e:
             raise InvalidURIError(f"{text}: cannot create a gcs filesystem: {e}") from None
         except Exception as e:  # gcsfs reads the credentials now: google-auth's errors, KeyError, ...
             raise StorageAccessError(f"{text}: the credentials cannot be used ({reason(e)})") from None
-        return cls(fs, f"{parts.netloc}{parts.path}".rstrip("/"), text, read_only)
+        return cls(fs, path, text, read_only)
 
     @property
     def endpoint(self) -> str:

@@ -13,13 +13,14 @@ import abc
 import uuid
 from contextlib import suppress
 from typing import Any, ClassVar
+from urllib.parse import SplitResult
 
 from zarr.abc.store import ByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore
 
-from ..errors import StorageAccessError, UnsafeStorageError
+from ..errors import InvalidURIError, StorageAccessError, UnsafeStorageError
 from .base import Backend, reason
 
 #: Bound on a commit (its listing and conditional create) and on other metadata writes outside
@@ -54,6 +55,12 @@ class WholeObjectStore(FsspecStore):
         return prototype.buffer.from_bytes(data)
 
 
+#: fsspec options every object store's filesystem gets: steps are discovered by listing, so a
+#: cached listing would hide new commits; and a filesystem cached by its arguments would keep
+#: the credentials (or their absence) of an earlier open, not the environment's now
+FRESH: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
+
+
 class ObjectStoreBackend(Backend):
     """A bucket (or container) prefix on an object store, through an fsspec filesystem ``fs``;
     ``path`` is ``bucket/prefix``."""
@@ -73,6 +80,16 @@ class ObjectStoreBackend(Backend):
         super().__init__(store, uri)
         self.fs = fs
         self.path = path
+
+    @classmethod
+    def located(cls, uri: str, parts: SplitResult, bucket: str | None = None) -> tuple[str, str]:
+        """The URI as messages name it and the filesystem path (``bucket/prefix``) of ``uri``
+        (``bucket``: the URI's own host part, unless given); refuses a URI without a bucket."""
+        bucket = parts.netloc if bucket is None else bucket
+        scheme = parts.scheme.lower()
+        if not bucket:
+            raise InvalidURIError(f"{uri}: needs a {cls.container}: {scheme}://{cls.container}/prefix")
+        return f"{scheme}://{parts.netloc}{parts.path}".rstrip("/"), f"{bucket}{parts.path}".rstrip("/")
 
     def key_path(self, key: str) -> str:
         return f"{self.path}/{key}"

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from ..errors import InvalidURIError
-from .objectstore import ObjectStoreBackend
+from .objectstore import FRESH, ObjectStoreBackend
 
 #: Defaults for every S3 request (botocore ``Config`` keys; ``storage_options["config_kwargs"]``
 #: overrides them). A read from a server that stops answering fails after its attempts
@@ -47,16 +47,14 @@ class S3Backend(ObjectStoreBackend):
     def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any], read_only: bool) -> "S3Backend":
         import s3fs
 
-        if not parts.netloc:
-            raise InvalidURIError(f"{uri}: an s3 URI needs a bucket: s3://bucket/prefix")
-        text = f"s3://{parts.netloc}{parts.path}".rstrip("/")
+        text, path = cls.located(uri, parts._replace(scheme="s3"))
         try:
             fs = s3fs.S3FileSystem(asynchronous=True, **s3_options(storage_options))
         except (TypeError, ValueError) as e:
             raise InvalidURIError(f"{text}: cannot create an s3 filesystem: {e}") from None
         fs.retries = S3_RETRIES  # a class attribute of s3fs (5), not a constructor option
         # one GET per whole object: s3fs would ask for its size first (a HEAD), to split it
-        return cls(fs, f"{parts.netloc}{parts.path}".rstrip("/"), text, read_only, cat_options={"max_concurrency": 1})
+        return cls(fs, path, text, read_only, cat_options={"max_concurrency": 1})
 
     @property
     def endpoint(self) -> str:
@@ -118,11 +116,7 @@ def s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
     config_kwargs.setdefault("request_checksum_calculation", "when_required")
     config_kwargs.setdefault("response_checksum_validation", "when_required")
     opts["config_kwargs"] = config_kwargs
-    # Steps are discovered by listing; a cached listing would hide new commits.
-    opts.setdefault("use_listings_cache", False)
-    # s3fs caches filesystems by their arguments, not by the environment: a cached one would
-    # keep the credentials (or their absence) of an earlier open.
-    opts.setdefault("skip_instance_cache", True)
+    opts = {**FRESH, **opts}
     if "session" not in opts:
         opts["session"] = _session(opts.get("profile"))
     _no_expect_continue(opts["session"])
