@@ -1,7 +1,7 @@
 """amber-store: fast, small, incremental LLM training checkpoints on zarr v3.
 
 >>> import amber_store as amber
->>> store = amber.open("/tmp/ckpt")                     # or "s3://bucket/run", "memory://x"
+>>> store = amber.open("/tmp/ckpt")                     # or "s3://bucket/run", "gs://...", "az://...", "memory://x"
 >>> info = store.save(100, {"model": model.state_dict(), "optim": opt.state_dict()})
 >>> sd = store.load(100)                                # lazy; nothing read yet
 >>> w = sd["model"]["layer.0.weight"][:16]              # reads only the chunks it needs
@@ -33,7 +33,7 @@ _LAZY = {
     "QuantizedDeltaCodec": "codecs", "SparseDeltaCodec": "codecs",
     "XorDeltaCodec": "codecs", "FORMAT_VERSION": "format", "LazyStateDict": "lazy", "LazyTensor": "lazy",
     "materialize": "lazy", "CommitInfo": "store", "Store": "store", "open": "store",
-    "CheckpointManager": "manager",
+    "CheckpointManager": "manager", "Options": "options",
 }
 
 
@@ -66,6 +66,7 @@ __all__ = [
     "LazyStateDict",
     "LazyTensor",
     "NotAnAmberStoreError",
+    "Options",
     "Policy",
     "QuantizedDeltaCodec",
     "DiffDeltaCodec",

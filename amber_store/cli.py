@@ -220,9 +220,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="amber-store",
-        description="List, inspect, verify, garbage-collect, export and import amber-store checkpoints. URIs: a local path, file://, memory://, "
-                    "s3://bucket/prefix. S3 credentials and endpoint come from the AWS environment "
-                    "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION) or the flags.",
+        description="List, inspect, verify, garbage-collect, export and import amber-store checkpoints. URIs: a local path, "
+                    "file://, memory://, s3://bucket/prefix, gs://bucket/prefix, az://container/prefix. Credentials and "
+                    "endpoints come from each cloud's environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                    "AWS_ENDPOINT_URL, AWS_REGION; application-default credentials, STORAGE_EMULATOR_HOST; "
+                    "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_NAME/_KEY) or the flags.",
     )
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -230,11 +232,11 @@ def parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
         if uri:
             sp.add_argument("uri", help="checkpoint store URI")
-            sp.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 for MinIO")
+            sp.add_argument("--endpoint-url", help="the object store's endpoint, e.g. http://127.0.0.1:9000 for MinIO")
             sp.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                             help="fsspec storage option (repeatable)")
             sp.add_argument("--single-writer", action="store_true",
-                            help="S3: write even to a server that ignores conditional writes (If-None-Match); "
+                            help="object stores: write even to a server that ignores conditional writes; "
                                  "only when nothing else writes the store meanwhile")
         sp.add_argument("--json", action="store_true", help="machine-readable output, no progress bars")
         return sp

@@ -457,3 +457,19 @@ def test_a_damaged_chunk_in_an_eager_load_raises_once_with_its_chunk_and_nothing
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "t7 (0, 0)"
     assert out.stderr == ""
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"full_every": 0}, "full_every must be >= 1"),
+    ({"base_policy": "nearest"}, "base_policy must be one of"),
+    ({"save_timeout": -1}, "save_timeout must be 'auto', None or a positive number"),
+    ({"max_pending": 0}, "max_pending must be >= 1"),
+    ({"snapshot": "disk"}, "snapshot must be 'host' or 'device'"),
+    ({"compressor": "gzip"}, "compressor must be 'auto', 'lz4' or 'zstd'"),
+    ({"codec": "zip"}, "unknown codec 'zip'"),
+    ({"ful_every": 5}, "unexpected keyword argument 'ful_every'"),
+])
+def test_bad_store_options_are_refused_at_open_before_anything_is_written(tmp_path, options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        amber.open(tmp_path / "ckpt", **options)
+    assert not (tmp_path / "ckpt").exists()
