@@ -135,7 +135,6 @@ class AmberStorageWriter(StorageWriter):
         self.step = self._step = step
         self.full = full
         self._is_coordinator = False
-        self._plan: StepPlan | None = None
         self.last_commit: Manifest | None = None
 
     # DCP protocol ---------------------------------------------------------------------
@@ -151,7 +150,7 @@ class AmberStorageWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._is_coordinator = is_coordinator
         if is_coordinator:
-            self._open()  # creates the store; other ranks open it once plans arrive
+            self._held()  # creates the store; other ranks open it once plans arrive
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -173,7 +172,7 @@ class AmberStorageWriter(StorageWriter):
                     "checkpoints by training step, pass AmberStorageWriter(uri, step=N) or "
                     "checkpoint_id='<uri>/step_<N>' (said once)", RuntimeWarning, stacklevel=2)
         decision = sync(store.writer.plan(step, self.full))
-        held.unfinished = self._plan = decision  # finish() gets no plan: the coordinator remembers it
+        held.unfinished = decision  # finish() gets no plan: the coordinator remembers it
         return [dataclasses.replace(p, storage_data=decision) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -185,13 +184,14 @@ class AmberStorageWriter(StorageWriter):
         keyed = {item_key(item.index, item.type): item for item in plan.items}
         tensors = {key: _item_tensor(planner.resolve_data(item)) for key, item in keyed.items()}
         timeout = writer.timeout(sum(t.nbytes for t in tensors.values()))
-        keep = writer.kept_as_base(decision.depth)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            written = writer.write(
-                decision, lambda out: writer.add_tensors(out, tensors, decision.bases, keep, cache=held.cache),
-                pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=held.cache.recycle,
-                deadline=None if timeout is None else time.monotonic() + timeout)
+            written = writer.write(decision, lambda out: writer.add_tensors(out, tensors, decision, cache=held.cache),
+                                   pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=held.cache.recycle,
+                                   deadline=deadline)
         except (TimeoutError, asyncio.TimeoutError) as e:
+            if deadline is None or time.monotonic() < deadline:
+                raise  # one request's own timeout
             raise StorageAccessError(
                 f"{held.store.uri}: saving step {decision.step} on rank {rank} did not finish within "
                 f"save_timeout={timeout:.0f} s ({e}); the step is not committed and earlier steps are untouched") from e
@@ -208,7 +208,7 @@ class AmberStorageWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         held = self._held()
         writer = held.store.writer
-        decision = self._plan
+        decision = held.unfinished
         assert decision is not None, "finish() before prepare_global_plan()"
         t0 = time.perf_counter()
         index_to_key: dict[MetadataIndex, str] = {}
@@ -245,9 +245,6 @@ class AmberStorageWriter(StorageWriter):
 
     def _held(self) -> _Process:
         return _process(self.uri, self.storage_options, self.options)
-
-    def _open(self) -> Store:
-        return self._held().store
 
 
 def _item_tensor(data: Any) -> torch.Tensor:

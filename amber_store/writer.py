@@ -253,13 +253,10 @@ class Writer:
         plan = await self.plan(step, full, doing)
         planned.append(plan)
         doing.append("waiting for a writer thread")
-        keep = self.kept_as_base(plan.depth)
 
         def fill(out: StepWriter) -> None:
-            # a tensor whose codec's parent rule never diffs against this position (a lossless
-            # one under "auto" in a delta step) keeps no copy of its value (kept_as_base)
             doing.append("encoding and writing its data")
-            self.add_tensors(out, tensors, plan.bases, keep, desc=f"save {step}")
+            self.add_tensors(out, tensors, plan, desc=f"save {step}")
 
         job = asyncio.get_running_loop().run_in_executor(
             writer_pool(), functools.partial(self.write, plan, fill, recycle=self.bases.recycle, deadline=deadline))
@@ -293,14 +290,16 @@ class Writer:
         horizon = 2 * max(self.options.full_every, depth + 2)
         return {PARENTS[p](r) for p in policies for r in range(depth + 1, horizon)}
 
-    def add_tensors(self, out: StepWriter, tensors: dict[str, torch.Tensor], bases: dict[str, int],
-                    keep: dict[bool, bool], cache: BaseCache | None = None, desc: str | None = None) -> None:
-        """Add ``tensors`` to the step writer ``out``, each with its codec against its base
-        (:meth:`tensor_bases`), keeping the values a later save may diff against (``keep``:
-        :meth:`kept_as_base` of the step's position); ``desc`` labels a progress bar
-        (``progress=True``)."""
+    def add_tensors(self, out: StepWriter, tensors: dict[str, torch.Tensor], plan: StepPlan,
+                    cache: BaseCache | None = None, desc: str | None = None) -> None:
+        """Add ``tensors`` of the step of ``plan`` to the step writer ``out``, each with its
+        codec against its base (:meth:`tensor_bases`), keeping the values a later save may diff
+        against (a tensor whose codec's parent rule never diffs against the step's position, a
+        lossless one under ``"auto"`` in a delta step, keeps no copy: :meth:`kept_as_base`);
+        ``desc`` labels a progress bar (``progress=True``)."""
         codecs = self.codecs_for(tensors)
-        refs = self.tensor_bases(bases, codecs, cache)
+        refs = self.tensor_bases(plan.bases, codecs, cache)
+        keep = self.kept_as_base(plan.depth)
         items = tqdm(tensors.items(), desc=desc, unit="tensor", disable=desc is None or not self.options.progress)
         for key, tensor in items:
             out.add(key, tensor, refs.get(key), codecs[key], keep=keep[codecs[key].lossless])

@@ -200,6 +200,12 @@ def save_at_once(stores: list[amber.Store], step: int, states: list[Any]) -> lis
     return outcomes
 
 
+def layer_state(seed: int) -> dict[str, torch.Tensor]:
+    """Six 64x64 layers drawn from ``seed``: a state whose save is several objects."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}": torch.randn(64, 64, generator=g) for i in range(6)}
+
+
 def is_data_key(key: str) -> bool:
     """Whether a store key holds tensor data (a pack or a shard), not metadata or a commit."""
     return key.startswith("steps/") and not key.endswith("zarr.json")

@@ -211,3 +211,23 @@ def test_dcp_saves_carry_the_training_step_refuse_an_older_one_and_say_once_when
         dcp.save(state, storage_writer=AmberStorageWriter(uri))
     assert not [w for w in caught if "without a step" in str(w.message)]  # said once
     assert amber.open(uri, mode="r").steps() == [100, 200, 201, 202]
+
+
+def test_a_request_timing_out_before_the_save_deadline_fails_the_dcp_save_with_that_error(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from amber_store.storage.local import LocalBackend
+
+    original = LocalBackend.put_object
+
+    async def times_out(self, key, parts, durable=False):
+        if not key.endswith("zarr.json"):  # a rank's data, not the coordinator's group metadata
+            raise TimeoutError("one request's own timeout")
+        return await original(self, key, parts, durable)
+
+    monkeypatch.setattr(LocalBackend, "put_object", times_out)
+    for timeout in (None, 600):  # no deadline, and one far away: the error is the request's, as it came
+        with pytest.raises(CheckpointException, match="one request's own timeout") as err:
+            dcp.save({"w": torch.randn(64, 64)}, storage_writer=AmberStorageWriter(tmp_path / f"c{timeout}", step=1,
+                                                                                  save_timeout=timeout))
+        assert "did not finish within" not in str(err.value)

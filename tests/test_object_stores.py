@@ -18,19 +18,13 @@ from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
-import torch
 
 import amber_store as amber
 from amber_store import stepwriter
 from backends.process import free_port
-from conftest import OBJECT_STORES, assert_bit_equal, assert_tree_bit_equal, save_at_once, store_uri
+from conftest import OBJECT_STORES, assert_bit_equal, assert_tree_bit_equal, layer_state, save_at_once, store_uri
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}": torch.randn(64, 64, generator=g) for i in range(6)}
 
 
 def after_first_object(monkeypatch: pytest.MonkeyPatch, action) -> None:
@@ -50,7 +44,7 @@ def after_first_object(monkeypatch: pytest.MonkeyPatch, action) -> None:
 
 def test_a_round_trip_and_a_lazy_slice_read_back_bit_exact(object_server):
     uri, opts = store_uri(object_server), object_server.storage_options()
-    s1, s2 = state(1), state(2)
+    s1, s2 = layer_state(1), layer_state(2)
     with amber.open(uri, opts, pack_threshold=0, chunk_bytes=4096) as store:
         store.save(1, s1)
         assert store.save(2, s2).kind == "delta"
@@ -64,7 +58,7 @@ def test_server_killed_mid_save_loses_nothing_and_the_same_writer_saves_again_af
     server = own_object_server
     uri, opts = store_uri(server), server.storage_options()
     store = amber.open(uri, opts, pack_threshold=0)  # an object per tensor: a save is many requests
-    s1, s2 = state(1), state(2)
+    s1, s2 = layer_state(1), layer_state(2)
     store.save(1, s1)
     time.sleep(server.crash_safe_after)  # what the server acknowledged is now safe from its crash
     after_first_object(monkeypatch, server.kill)
@@ -85,7 +79,7 @@ def test_a_frozen_server_fails_saves_within_their_deadline_and_reads_within_requ
     uri, opts = store_uri(server), server.storage_options()
     store = amber.open(uri, opts, pack_threshold=0, save_timeout=3)
     reader = amber.open(uri, server.quick_options(), mode="r")
-    s1 = state(1)
+    s1 = layer_state(1)
     store.save(1, s1)
     lazy = reader.load(1)  # its manifest is read now, its tensors when used
     after_first_object(monkeypatch, server.freeze)
@@ -93,11 +87,11 @@ def test_a_frozen_server_fails_saves_within_their_deadline_and_reads_within_requ
         t0 = time.monotonic()
         with pytest.raises(amber.StorageAccessError, match=r"saving step 2 did not finish within save_timeout=3 s, "
                                                          r"stopped while writing its data \(\d+ writes? still unanswered"):
-            store.save(2, state(2))
+            store.save(2, layer_state(2))
         assert time.monotonic() - t0 < 3 + 5
         # In the background: the failure is the future's and the next call's.
         t0 = time.monotonic()
-        future = store.save_async(3, state(3))
+        future = store.save_async(3, layer_state(3))
         assert isinstance(future.exception(timeout=3 + 5), amber.StorageAccessError)
         with pytest.raises(amber.AsyncSaveError, match="step 3"):
             store.wait()
@@ -111,7 +105,7 @@ def test_a_frozen_server_fails_saves_within_their_deadline_and_reads_within_requ
     finally:
         server.thaw()
     assert store.steps() == [1]
-    s2 = state(2)
+    s2 = layer_state(2)
     store.save(2, s2)
     assert_tree_bit_equal(amber.open(uri, opts, mode="r").load(2, lazy=False), s2)
 
@@ -122,13 +116,13 @@ def test_a_write_to_a_frozen_server_fails_within_its_request_timeouts_also_after
     # made anew once waited forever for a "100 Continue").
     server = own_object_server
     store = amber.open(store_uri(server), server.quick_options(), pack_threshold=0, save_timeout=60)
-    store.save(1, state(1))
+    store.save(1, layer_state(1))
     store.close()
     after_first_object(monkeypatch, server.freeze)
     try:
         t0 = time.monotonic()
         with pytest.raises(amber.StorageAccessError, match="saving step 2 failed"):
-            store.save(2, state(2))
+            store.save(2, layer_state(2))
         assert time.monotonic() - t0 < 30
     finally:
         server.thaw()
@@ -136,7 +130,7 @@ def test_a_write_to_a_frozen_server_fails_within_its_request_timeouts_also_after
 
 def test_racing_writers_commit_exactly_one_and_the_loser_gets_concurrent_writer_error(object_server, monkeypatch):
     uri, opts = store_uri(object_server), object_server.storage_options()
-    amber.open(uri, opts).save(0, state(0))
+    amber.open(uri, opts).save(0, layer_state(0))
     backend_class = type(amber.open(uri, opts, mode="r").history.backend)
     barrier = threading.Barrier(2, timeout=60)
     real = backend_class.put_if_absent
@@ -149,7 +143,7 @@ def test_racing_writers_commit_exactly_one_and_the_loser_gets_concurrent_writer_
     monkeypatch.setattr(backend_class, "put_if_absent", at_once)
     for step in range(1, 6):
         stores = [amber.open(uri, opts), amber.open(uri, opts)]
-        states = [state(100 * step), state(100 * step + 1)]
+        states = [layer_state(100 * step), layer_state(100 * step + 1)]
         outcomes = save_at_once(stores, step, states)
         won = [i for i, o in enumerate(outcomes) if isinstance(o, amber.CommitInfo)]
         assert len(won) == 1, (step, outcomes)
@@ -171,7 +165,7 @@ def test_a_commit_to_a_server_that_stops_answering_fails_in_bounded_time_and_the
     server = own_object_server
     uri, opts = store_uri(server), server.storage_options()
     store = amber.open(uri, opts)
-    store.save(1, state(1))
+    store.save(1, layer_state(1))
     backend = store.history.backend
     real = backend.put_if_absent
 
@@ -184,28 +178,28 @@ def test_a_commit_to_a_server_that_stops_answering_fails_in_bounded_time_and_the
     t0 = time.monotonic()
     with pytest.raises(amber.StorageAccessError, match=r"commit of step 2 got no answer in time: it may or may not "
                                                        r"have landed"):
-        store.save(2, state(2))
+        store.save(2, layer_state(2))
     assert time.monotonic() - t0 < 30
     server.thaw()
     monkeypatch.setattr(backend, "put_if_absent", real)
-    store.save(3, state(3))
+    store.save(3, layer_state(3))
     reader = amber.open(uri, opts, mode="r")
     assert reader.steps() in ([1, 3], [1, 2, 3])  # step 2 either never landed or landed whole
     for step in reader.steps():
-        assert_tree_bit_equal(reader.load(step, lazy=False), state(step))
+        assert_tree_bit_equal(reader.load(step, lazy=False), layer_state(step))
 
 
 def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_save(object_server, monkeypatch):
     uri, opts = store_uri(object_server), object_server.storage_options()
     store = amber.open(uri, opts)
-    store.save(1, state(1))
+    store.save(1, layer_state(1))
 
     async def crash(*args, **kwargs):
         raise ConnectionResetError("process killed before the commit")
 
     monkeypatch.setattr(store.history.backend, "put_if_absent", crash)
     with pytest.raises(amber.StorageAccessError):
-        store.save(2, state(2))
+        store.save(2, layer_state(2))
     monkeypatch.undo()
     from zarr.core.sync import collect_aiterator
 
@@ -215,7 +209,7 @@ def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_s
     assert reader.steps() == [1]
     with pytest.raises(amber.StepNotFoundError):
         reader.load(2)
-    s2 = state(2)
+    s2 = layer_state(2)
     store.save(2, s2)
     assert_tree_bit_equal(amber.open(uri, opts, mode="r").load(2, lazy=False), s2)
 
@@ -227,7 +221,7 @@ def test_flipped_bytes_in_one_object_are_detected_with_step_and_tensor(object_se
 
     uri, opts = store_uri(object_server), object_server.storage_options()
     store = amber.open(uri, opts, pack_threshold=0)
-    store.save(1, state(1))
+    store.save(1, layer_state(1))
     entry = store.manifest(1).tensors["layer2"]
     key = fmt.shard_key(entry.array, len(entry.shape))
     data = bytearray(sync(store.history.backend.get(key)).to_bytes())
@@ -323,7 +317,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.gcs
 def test_gcs_takes_its_emulator_from_storage_emulator_host_with_anonymous_credentials(gcs_server, monkeypatch):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
-    uri, s = store_uri(gcs_server), state(5)
+    uri, s = store_uri(gcs_server), layer_state(5)
     amber.open(uri).save(1, s)  # the URI alone, as in a training config
     assert_tree_bit_equal(amber.open(uri, mode="r").load(1, lazy=False), s)
 
@@ -346,13 +340,13 @@ def test_a_gcs_server_that_ignores_if_generation_match_is_refused_for_writing_un
                                                        r"conditional writes \(ifGenerationMatch=0\).*single_writer=True"):
         amber.open(uri, opts)
     with amber.open(uri, opts, single_writer=True) as store:
-        store.save(1, state(4))
+        store.save(1, layer_state(4))
     assert verdicts == {("GCSBackend", gcs_server.endpoint): False}
 
 
 @pytest.mark.azure
 def test_azure_takes_a_connection_string_from_the_environment_or_the_options(azure_server, monkeypatch):
-    uri, s = store_uri(azure_server), state(6)
+    uri, s = store_uri(azure_server), layer_state(6)
     amber.open(uri, {"connection_string": azure_server.connection_string()}).save(1, s)
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azure_server.connection_string())
     assert_tree_bit_equal(amber.open(uri, mode="r").load(1, lazy=False), s)  # the URI alone
@@ -364,7 +358,7 @@ def test_azure_takes_an_account_name_and_key_from_the_environment(azure_server, 
 
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", ACCOUNT)
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", ACCOUNT_KEY)
-    uri, s = store_uri(azure_server), state(7)
+    uri, s = store_uri(azure_server), layer_state(7)
     amber.open(uri, {"endpoint_url": azure_server.endpoint}).save(1, s)
     assert_tree_bit_equal(amber.open(uri, {"endpoint_url": azure_server.endpoint}, mode="r").load(1, lazy=False), s)
 
@@ -373,7 +367,7 @@ def test_azure_takes_an_account_name_and_key_from_the_environment(azure_server, 
 def test_an_abfs_uri_naming_its_account_reads_the_same_store(azure_server):
     from backends.azurite import ACCOUNT, ACCOUNT_KEY
 
-    path, s = store_uri(azure_server).split("://", 1)[1], state(8)
+    path, s = store_uri(azure_server).split("://", 1)[1], layer_state(8)
     amber.open(f"az://{path}", azure_server.storage_options()).save(1, s)
     container, prefix = path.split("/", 1)
     opts = {"endpoint_url": azure_server.endpoint, "account_key": ACCOUNT_KEY}

@@ -11,12 +11,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 import amber_store as amber
 from amber_store.storage.s3 import s3_options
 from backends.s3servers import RcloneS3
-from conftest import BUCKET, assert_tree_bit_equal
+from conftest import BUCKET, assert_tree_bit_equal, layer_state
 
 pytestmark = pytest.mark.s3
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,11 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def s3_uri() -> str:
     return f"s3://{BUCKET}/{uuid.uuid4().hex}"
-
-
-def state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}": torch.randn(64, 64, generator=g) for i in range(6)}
 
 
 def test_a_commit_whose_answer_was_lost_and_whose_retry_finds_its_own_manifest_succeeds(s3_server, s3_uri,
@@ -48,7 +42,7 @@ def test_a_commit_whose_answer_was_lost_and_whose_retry_finds_its_own_manifest_s
         return out
 
     monkeypatch.setattr(fs, "_call_s3", lost_answer)
-    s1 = state(1)
+    s1 = layer_state(1)
     assert store.save(1, s1).step == 1
     assert retried and "commits/" in retried[0]
     assert_tree_bit_equal(amber.open(s3_uri, opts, mode="r").load(1, lazy=False), s1)
@@ -61,7 +55,7 @@ def test_a_server_that_ignores_conditional_writes_is_refused_for_writing_unless_
         with pytest.raises(amber.UnsafeStorageError, match=rf"{uri}: the server at {server.endpoint} ignores "
                                                            r"conditional writes .* single_writer=True"):
             amber.open(uri, opts)
-        s = state(4)
+        s = layer_state(4)
         with amber.open(uri, opts, single_writer=True) as store:
             store.save(1, s)
         with amber.open(uri, opts, mode="r") as reader:  # reading needs no guarantee
@@ -73,32 +67,32 @@ def test_a_server_that_ignores_conditional_writes_is_refused_for_writing_unless_
 def test_an_eager_load_gets_each_object_once_and_never_asks_for_sizes(s3_server, s3_uri):
     opts = s3_server.storage_options()
     with amber.open(s3_uri, opts, pack_threshold=0) as writer:
-        writer.save(1, state(0))
-        writer.save(2, state(1))
+        writer.save(1, layer_state(0))
+        writer.save(2, layer_state(1))
     with amber.open(s3_uri, opts, mode="r") as reader:
         calls: list[tuple[str, str]] = []
         reader.history.backend.fs.s3.meta.events.register(
             "before-parameter-build.s3", lambda model, params, **_: calls.append((model.name, params.get("Key", ""))))
-        assert_tree_bit_equal(reader.load(2, lazy=False), state(1))
+        assert_tree_bit_equal(reader.load(2, lazy=False), layer_state(1))
     gets = [key for name, key in calls if name == "GetObject"]
     assert {name for name, _ in calls} == {"GetObject"}  # s3fs would HEAD each object first
-    assert len(gets) == len(set(gets)) == 2 * len(state(1)) + 2  # per tensor two layers; 2 manifests
+    assert len(gets) == len(set(gets)) == 2 * len(layer_state(1)) + 2  # per tensor two layers; 2 manifests
 
 
 def test_a_delta_save_lists_the_commits_twice_and_writes_each_object_once(s3_server, s3_uri):
     opts = s3_server.storage_options()
     with amber.open(s3_uri, opts, pack_threshold=0) as writer:
-        writer.save(1, state(0))
+        writer.save(1, layer_state(0))
         calls: list[tuple[str, str]] = []
         writer.history.backend.fs.s3.meta.events.register(
             "before-parameter-build.s3",
             lambda model, params, **_: calls.append((model.name, params.get("Key", params.get("Prefix", "")))))
-        writer.save(2, state(1))
+        writer.save(2, layer_state(1))
     listings = [prefix for name, prefix in calls if name == "ListObjectsV2"]
     puts = [key for name, key in calls if name == "PutObject"]
     assert len(listings) == 2 and all(p.endswith("/commits/") for p in listings)  # staging, the commit's check
     # the step group's zarr.json twice (opened, then sealed with its arrays); every other object once
-    assert len(puts) == len(set(puts)) + 1 == len(state(1)) + 3
+    assert len(puts) == len(set(puts)) + 1 == len(layer_state(1)) + 3
     assert {name for name, _ in calls} == {"ListObjectsV2", "PutObject"}
 
 
@@ -112,7 +106,7 @@ def test_missing_credentials_fail_at_open(s3_server, s3_uri):
 def test_each_open_reads_the_credentials_afresh_from_the_environment(s3_server, s3_uri, monkeypatch):
     opts = s3_server.storage_options()
     endpoint = {"endpoint_url": opts["endpoint_url"]}
-    amber.open(s3_uri, opts).save(1, state(1))
+    amber.open(s3_uri, opts).save(1, layer_state(1))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["key"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret"])
     assert amber.open(s3_uri, endpoint, mode="r").steps() == [1]
@@ -127,16 +121,16 @@ def test_a_named_profile_of_the_aws_credentials_file_is_used(s3_server, s3_uri, 
     credentials = tmp_path / "credentials"
     credentials.write_text(f"[amber]\naws_access_key_id = {opts['key']}\naws_secret_access_key = {opts['secret']}\n")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
-    amber.open(s3_uri, opts).save(1, state(1))
+    amber.open(s3_uri, opts).save(1, layer_state(1))
     reader = amber.open(s3_uri, {"endpoint_url": opts["endpoint_url"], "profile": "amber"}, mode="r")
-    assert_tree_bit_equal(reader.load(1, lazy=False), state(1))
+    assert_tree_bit_equal(reader.load(1, lazy=False), layer_state(1))
 
 
 def test_open_lists_only_within_the_stores_own_prefix(s3_server, s3_uri):
     from aiobotocore.session import AioSession
 
     opts = s3_server.storage_options()
-    amber.open(s3_uri, opts).save(1, state(1))
+    amber.open(s3_uri, opts).save(1, layer_state(1))
     calls: list[tuple[str, dict]] = []
     session = AioSession()  # a caller's own session: its hooks see every request
     session.register("before-parameter-build.s3", lambda model, params, **_: calls.append((model.name, dict(params))))
@@ -155,7 +149,7 @@ def test_endpoint_and_credentials_come_from_the_standard_aws_environment(s3_serv
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["key"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret"])
     store = amber.open(s3_uri)  # no storage_options at all: the training config holds only the URI
-    s = state(3)
+    s = layer_state(3)
     store.save(1, s)
     assert_tree_bit_equal(amber.open(s3_uri, mode="r").load(1, lazy=False), s)
 
@@ -168,7 +162,7 @@ def test_an_http_endpoint_is_used_without_loading_a_ca_bundle(s3_server, s3_uri,
     original = ssl.SSLContext.load_verify_locations
     monkeypatch.setattr(ssl.SSLContext, "load_verify_locations",
                         lambda self, *a, **k: (loaded.append(a), original(self, *a, **k))[1])
-    s = state(4)
+    s = layer_state(4)
     with amber.open(s3_uri, s3_server.storage_options()) as store:
         store.save(1, s)
     assert_tree_bit_equal(amber.open(s3_uri, s3_server.storage_options(), mode="r").load(1, lazy=False), s)

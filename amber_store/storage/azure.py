@@ -55,16 +55,20 @@ def _close_clients() -> None:
 
 
 class AzureBackend(ObjectStoreBackend):
-    """An Azure Blob Storage container prefix."""
-
-    retries: dict[str, float] = AZURE_RETRIES
-    timeouts: dict[str, float] = AZURE_TIMEOUTS
+    """An Azure Blob Storage container prefix, whose SDK client makes its requests with
+    ``retries`` (``ExponentialRetry``'s arguments) and ``timeouts``."""
 
     schemes = ("az", "abfs", "abfss")
     error_modules = ("azure", "adlfs", "aiohttp")
     container = "container"
     condition = "If-None-Match: *"
     honoured_by = "Azure Blob Storage, Azurite"
+
+    def __init__(self, fs: Any, path: str, uri: str, read_only: bool, retries: dict[str, float],
+                 timeouts: dict[str, float]) -> None:
+        super().__init__(fs, path, uri, read_only)
+        self.retries, self.timeouts = retries, timeouts
+        fs.service_client = self.client_like(fs.service_client)
 
     @classmethod
     def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any], read_only: bool) -> "AzureBackend":
@@ -79,17 +83,14 @@ class AzureBackend(ObjectStoreBackend):
         retries = {k: opts.pop(k, v) for k, v in AZURE_RETRIES.items()}
         timeouts = {k: opts.setdefault(k, v) for k, v in AZURE_TIMEOUTS.items()}
         if endpoint:
-            opts.setdefault("connection_string", _connection_string(endpoint, opts))
+            opts.setdefault("connection_string", _connection_string(text, endpoint, opts))
         try:
             fs = AzureBlobFileSystem(asynchronous=True, **opts)
         except (TypeError, ValueError) as e:
             raise InvalidURIError(f"{text}: cannot create an azure filesystem: {e}") from None
-        backend = cls(fs, path, text, read_only)
-        backend.retries, backend.timeouts = retries, timeouts
-        fs.service_client = backend.client_like(fs.service_client)
         _LIVE[id(fs)] = fs
         _close_at_exit()
-        return backend
+        return cls(fs, path, text, read_only, retries, timeouts)
 
     @property
     def endpoint(self) -> str:
@@ -129,7 +130,7 @@ class AzureBackend(ObjectStoreBackend):
                                  retry_policy=ExponentialRetry(**self.retries), **self.timeouts)
 
 
-def _connection_string(endpoint: str, opts: dict[str, Any]) -> str:
+def _connection_string(uri: str, endpoint: str, opts: dict[str, Any]) -> str:
     """A connection string for ``endpoint`` (the account's blob service) with the account key
     (or SAS token) of the options or the environment."""
     name = opts.pop("account_name", None) or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
@@ -139,5 +140,5 @@ def _connection_string(endpoint: str, opts: dict[str, Any]) -> str:
         return f"AccountName={name};AccountKey={key};BlobEndpoint={endpoint};"
     if sas:
         return f"BlobEndpoint={endpoint};SharedAccessSignature={sas.lstrip('?')};"
-    raise InvalidURIError(f"endpoint_url {endpoint!r} needs account_name and account_key (or sas_token)")
+    raise InvalidURIError(f"{uri}: endpoint_url {endpoint!r} needs account_name and account_key (or sas_token)")
 
