@@ -23,6 +23,7 @@ from .errors import (
     StepOrderError,
     StorageAccessError,
     UnsafeStorageError,
+    UnsafeValueError,
     UnsupportedStateError,
 )
 
@@ -77,6 +78,7 @@ __all__ = [
     "StepOrderError",
     "StorageAccessError",
     "UnsafeStorageError",
+    "UnsafeValueError",
     "Store",
     "UnsupportedStateError",
     "XorDeltaCodec",

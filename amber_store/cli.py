@@ -109,8 +109,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"{'tensor':<48} {'dtype':>9} {'shape':>16} {'enc':>5} {'base':>8} {'stored':>10}")
     for key, t in info["tensors"].items():
         base = "-" if t["base"] is None else t["base"]
+        shards = f"  ({t['shards']} shards)" if t.get("shards", 1) > 1 else ""
         print(f"{key:<48} {t['dtype']:>9} {str(tuple(t['shape'])):>16} {t['encoding']:>5} {base:>8} "
-              f"{_human(t['nbytes_stored']):>10}")
+              f"{_human(t['nbytes_stored']):>10}{shards}")
     for key, t in info["tensors"].items():
         if t["note"]:
             print(f"note: {key}: {t['note']}")
@@ -270,10 +271,11 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--format", choices=["safetensors", "torch"], help="default: from OUT's suffix")
     sp.add_argument("--subtree", help="safetensors: the part of the state to export (default: model)")
     sp.set_defaults(func=cmd_export)
-    sp = add("import", "save a torch.save or safetensors file as a full step")
+    sp = add("import", "save a torch.save or safetensors file, or a torch.distributed.checkpoint directory "
+                       "(FileSystemWriter's; it stays loadable by dcp.load on any number of ranks), as a full step")
     sp.add_argument("step", type=int)
     sp.add_argument("input")
-    sp.add_argument("--format", choices=["safetensors", "torch"], help="default: from INPUT's suffix")
+    sp.add_argument("--format", choices=["safetensors", "torch"], help="a file's format (default: from INPUT's suffix)")
     sp.add_argument("--subtree", help="safetensors: put the tensors under this part of the state (default: the "
                                       "subtree the file was exported from, else the top level; '' for the top)")
     sp.set_defaults(func=cmd_import)

@@ -17,6 +17,12 @@ rank; every rank writes its items in ``write_data`` by the save's deadline; DCP 
 results on the coordinator, and only then ``finish`` seals the group and commits the manifest.
 A failure on any rank means ``finish`` never runs, so the step stays invisible.
 
+The commit also records how the items make the state the ranks saved (:mod:`amber_store.shards`),
+so ``amber_store.open(uri).load(step)`` in any single process, without a process group, opens a
+sharded step as that nested state: one lazy tensor of global shape per sharded tensor.
+:func:`import_checkpoint` moves a checkpoint directory written by DCP's ``FileSystemWriter``
+into a store.
+
 With FSDP2 / DTensor models, take the state with
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` and put it back
 with ``set_state_dict`` after ``dcp.load``: both work unchanged with these classes.
@@ -34,12 +40,19 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as torch_dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.futures import Future
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -48,17 +61,20 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from zarr.core.sync import sync
 
 from . import format as fmt
-from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StorageAccessError
+from . import shards
+from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StorageAccessError, UnsafeValueError
 from .format import Manifest, TensorEntry
+from .lazy import LazyTensor
 from .options import Options
 from .reader import ReadSession
 from .runtime import gather
 from .stepwriter import BaseCache, Written
-from .store import Store, open
+from .store import Store, check_metrics, open
 from .writer import StepPlan
 
 _METADATA = "dcp.metadata"
@@ -93,12 +109,16 @@ _PROCESS: dict[str, _Process] = {}
 _PROCESS_LOCK = threading.Lock()
 
 
-def _process(uri: str, storage_options: dict[str, Any] | None, options: dict[str, Any]) -> _Process:
-    """This process's state of the store at ``uri``, opened now if it is not (or was with other
-    options)."""
+def _process(uri: str, storage_options: dict[str, Any] | None, options: dict[str, Any],
+             store: Store | None = None) -> _Process:
+    """This process's state of the store at ``uri``: of ``store`` if given, else opened now if
+    it is not (or was with other options)."""
     with _PROCESS_LOCK:
         held = _PROCESS.get(uri)
-        if held is None or held.store.options != Options(**options):
+        if store is not None:
+            if held is None or held.store is not store:
+                held = _PROCESS[uri] = _Process(store)
+        elif held is None or held.store.options != Options(**options):
             held = _PROCESS[uri] = _Process(open(uri, storage_options, mode="a", **options))
         return held
 
@@ -114,10 +134,13 @@ def item_key(index: MetadataIndex, kind: WriteItemType | LoadItemType) -> str:
 class AmberStorageWriter(StorageWriter):
     """A DCP StorageWriter that saves into an amber-store step.
 
-    The step is ``step``, or the one DCP's ``checkpoint_id`` names the way per-step directories
+    ``uri`` names the store, or is an open writable :class:`Store` (saves then go through its
+    writer). The step is ``step``, or the one DCP's ``checkpoint_id`` names the way per-step directories
     do (``<uri>/step_<N>`` saves step N of the store at ``<uri>``); with neither, the latest
     step + 1 (said once, in a warning: a training job wants its own step numbers). ``options``
     are :func:`amber_store.open` options (``full_every``, ``codec``, ``save_timeout``, ...).
+    ``metrics`` are kept with the step as :meth:`Store.save`'s are; ``after(manifest)`` runs on
+    the coordinator once the step is committed (retention), before the save returns.
 
     A save is one step transaction (:mod:`amber_store.writer`): the coordinator plans it (the
     step must be newer than the latest, and this process the store's only writer), every rank
@@ -126,14 +149,18 @@ class AmberStorageWriter(StorageWriter):
     an attempt that never reached ``finish`` at its next save.
     """
 
-    def __init__(self, uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
-                 step: int | None = None, full: bool | None = None, **options: Any) -> None:
+    def __init__(self, uri: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None = None, *,
+                 step: int | None = None, full: bool | None = None, metrics: Mapping[str, float] | None = None,
+                 after: Callable[[Manifest], None] | None = None, **options: Any) -> None:
         super().__init__()
-        self.uri = os.fspath(uri)
+        self._store = uri if isinstance(uri, Store) else None
+        self.uri = uri.uri if isinstance(uri, Store) else os.fspath(uri)
         self.storage_options = storage_options
         self.options = options
         self.step = self._step = step
         self.full = full
+        self.metrics = check_metrics(metrics)
+        self.after = after
         self._is_coordinator = False
         self.last_commit: Manifest | None = None
 
@@ -229,10 +256,15 @@ class AmberStorageWriter(StorageWriter):
         written.keys.append(meta_key)
         created = sync(writer.seal(decision, written))
         tree = {"dict": [[k, {"tensor": k}] for k in written.entries]}
-        self.last_commit = sync(writer.commit(decision, written, tree, created, time.perf_counter() - t0,
-                                              {"dcp": {"metadata": meta_key, "bytes": len(blob)}}))
+        state = shards.to_json(state_layout(metadata))
+        extra: dict[str, Any] = {"dcp": {"metadata": meta_key, "bytes": len(blob), "state": state}}
+        if self.metrics:
+            extra["metrics"] = self.metrics
+        self.last_commit = sync(writer.commit(decision, written, tree, created, time.perf_counter() - t0, extra))
         held.unfinished = None
         held.promote()
+        if self.after is not None:
+            self.after(self.last_commit)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -244,7 +276,100 @@ class AmberStorageWriter(StorageWriter):
     # helpers ----------------------------------------------------------------------------
 
     def _held(self) -> _Process:
-        return _process(self.uri, self.storage_options, self.options)
+        store = self._store if self._store is not None and self._store.uri == self.uri else None
+        return _process(self.uri, self.storage_options, self.options, store)
+
+
+class _Leaf:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def state_layout(metadata: Metadata) -> shards.Layout:
+    """How the items of a save make the state the ranks passed to ``dcp.save``: DCP's flattened
+    keys unflattened as DCP's own ``unflatten_state_dict`` does (``planner_data``), each tensor
+    with its global shape and shards, each other value with its item."""
+    saved = metadata.state_dict_metadata
+    mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    order = _state_order(metadata)
+    paths = {fqn: tuple(mapping.get(fqn, (fqn,))) for fqn in order}
+    tensors: dict[str, shards.ShardedTensor] = {}
+    values: dict[str, str] = {}
+    leaves: dict[str, _Leaf] = {}
+    for fqn in order:
+        md = saved[fqn]
+        name = "/".join(fmt.escape_segment(p) for p in paths[fqn])
+        leaves[fqn] = _Leaf(name)
+        if isinstance(md, TensorStorageMetadata):
+            tensors[name] = shards.ShardedTensor(
+                fmt.dtype_name(md.properties.dtype), tuple(md.size),
+                tuple((tuple(c.offsets), item_key(MetadataIndex(fqn, c.offsets), WriteItemType.SHARD))
+                      for c in md.chunks))
+        else:
+            values[name] = item_key(MetadataIndex(fqn), WriteItemType.BYTE_IO)
+
+    def node(obj: Any) -> dict[str, Any]:
+        if isinstance(obj, _Leaf):
+            return {"tensor": obj.name}
+        if isinstance(obj, dict):
+            return {"dict": [[k, node(v)] for k, v in obj.items()]}
+        if isinstance(obj, list):
+            return {"list": [node(v) for v in obj]}
+        return {"value": None}  # a list slot that DCP's unflatten fills with None
+
+    return shards.Layout(node(unflatten_state_dict(leaves, paths)), tensors, values)
+
+
+def _state_order(metadata: Metadata) -> list[str]:
+    """The saved keys in the state's own order: the flattening's mapping lists them so, the
+    metadata in the global plan's order."""
+    saved = metadata.state_dict_metadata
+    mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    return [fqn for fqn in mapping if fqn in saved] + [fqn for fqn in saved if fqn not in mapping]
+
+
+class _SafeValuesPlanner(_EmptyStateDictLoadPlanner):
+    """Rebuilds the saved state from the checkpoint's metadata (as torch's own
+    ``format_utils.dcp_to_torch_save`` does), in the state's own order, but reads values with
+    ``weights_only=True``."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        if metadata is not None:
+            saved = metadata.state_dict_metadata
+            metadata.state_dict_metadata = {fqn: saved[fqn] for fqn in _state_order(metadata)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeValueError(f"{fqn!r} is a pickled object that cannot be read without running code stored "
+                                   f"with it ({str(e).splitlines()[0]}); it is not imported") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def import_checkpoint(store: Store, step: int, path: str | os.PathLike[str]) -> Manifest:
+    """Save the checkpoint directory ``path`` written by DCP's ``FileSystemWriter`` as the full
+    ``step`` of ``store``, as a DCP step (each tensor one shard), so that it opens as a state
+    dict and ``dcp.load`` reshards it onto any number of ranks. Values are read with
+    ``weights_only=True``. Holds the whole checkpoint in memory once."""
+    state: dict[str, Any] = {}
+    writer = AmberStorageWriter(store, step=step, full=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            _load_state_dict(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_SafeValuesPlanner(),
+                             no_dist=True)
+            torch_dcp.save(state, storage_writer=writer, no_dist=True)
+        except CheckpointException as e:  # one process: its one failure, as it was raised
+            raise next(iter(e.failures.values()))[0] from None
+    assert writer.last_commit is not None
+    return writer.last_commit
 
 
 def _item_tensor(data: Any) -> torch.Tensor:
@@ -329,8 +454,9 @@ class AmberStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         store = self._open()
         assert self.step is not None
-        lazy = store.load(self.step)
-        wanted = [(req, lazy[self._keys[req.storage_index]]) for req in plan.items]
+        m = store.manifest(self.step)
+        wanted = [(req, LazyTensor(store.reader, self.step, key, m.tensors[key]))
+                  for req in plan.items for key in [self._keys[req.storage_index]]]
 
         async def read_all() -> list[torch.Tensor]:
             session = ReadSession()  # every object, and each pack, fetched once

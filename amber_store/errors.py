@@ -60,6 +60,11 @@ class UnsupportedStateError(AmberError, TypeError):
     """The state dict holds a value (leaf type or dtype) that amber-store cannot store exactly."""
 
 
+class UnsafeValueError(AmberError):
+    """A stored Python value (of a sharded step) cannot be read without running code stored
+    with it, which loading never does."""
+
+
 class CorruptDataError(AmberError):
     """Stored data failed its checksum, is missing, or cannot be read safely.
 

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from . import format as fmt
+from . import shards
 from .errors import (ConcurrentWriterError, CorruptDataError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError,
                      StepNotFoundError, StepOrderError, StorageAccessError)
 from .format import Manifest, TensorEntry
@@ -369,6 +370,9 @@ class History:
                 "chain": deps,
                 "note": _full_in_delta(e, base.tensors.get(key) if base is not None else None, base),
             }
+        layout = shards.layout_of(m)
+        if layout is not None:
+            tensors = _logical(tensors, layout)
         return {
             "step": m.step,
             "kind": m.kind,
@@ -391,8 +395,10 @@ class History:
         for step in await self.steps():
             m = await self.manifest(step)
             by_step[step] = m.nbytes_stored
+            layout = shards.layout_of(m)
+            names = {} if layout is None else layout.names()
             for key, e in m.tensors.items():
-                group = key.split("/", 1)[0]
+                group = names.get(key, key).split("/", 1)[0]
                 by_group[group] = by_group.get(group, 0) + e.stored
         return {"total": sum(by_step.values()), "steps": by_step, "groups": by_group,
                 "storage": await self.backend.footprint()}
@@ -418,6 +424,29 @@ class History:
             pins = await self.pins()
             raise PinNotFoundError(f"{self.uri}: no pin named {name!r} (pins: {', '.join(sorted(pins)) or 'none'})")
         await self.backend.delete(key)
+
+
+def _logical(items: dict[str, dict[str, Any]], layout: shards.Layout) -> dict[str, dict[str, Any]]:
+    """``info``'s rows of a sharded step's items, one per tensor and value its ranks saved."""
+    out = {}
+    for name, t in layout.tensors.items():
+        rows = [items[key] for _, key in t.shards]
+        bases = [r["base"] for r in rows if r["base"] is not None]
+        out[name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "shards": len(rows),
+            "encoding": "+".join(sorted({r["encoding"] for r in rows})),
+            "base": max(bases) if bases else None,
+            "packed": all(r["packed"] for r in rows),
+            "nbytes_raw": sum(r["nbytes_raw"] for r in rows),
+            "nbytes_stored": sum(r["nbytes_stored"] for r in rows),
+            "chain": sorted({s for r in rows for s in r["chain"]}),
+            "note": next((f"{key}: {r['note']}" for (_, key), r in zip(t.shards, rows) if r["note"]), None),
+        }
+    for name, key in layout.values.items():
+        out[name] = {**{k: v for k, v in items[key].items() if k != "chunks"}, "dtype": "object", "shape": [], "shards": 1}
+    return out
 
 
 def _full_in_delta(e: TensorEntry, was: TensorEntry | None, base: Manifest | None) -> str | None:

@@ -2,13 +2,16 @@
 
 A :class:`LazyTensor` knows its shape and dtype from the step's manifest. Indexing it reads the
 chunk-aligned box around the selection, from every array along that tensor's delta chain, and
-nothing else; :func:`materialize` reads a whole tree concurrently.
+nothing else; :func:`materialize` reads a whole tree concurrently. A tensor that a sharded save
+(torch.distributed.checkpoint) stored in pieces is one LazyTensor of its global shape, assembled
+from the pieces a selection overlaps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import math
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -16,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from zarr.core.sync import sync
 
-from .format import DTYPES, TensorEntry, numpy_to_tensor, round_up
+from .errors import CorruptDataError
+from .format import DTYPES, TensorEntry, itemsize, numpy_to_tensor, round_up
 from .reader import ReadSession
 from .runtime import gather, shared_pool
 
@@ -40,33 +44,63 @@ class LazyTensor:
         self.step = step
         self.key = key
         self._entry = entry
+        self._shape = tuple(entry.shape)
+        self._dtype = entry.dtype
+        # a tensor stored in pieces: (offset of the piece in the tensor, the piece), else None
+        self._pieces: list[tuple[tuple[int, ...], LazyTensor]] | None = None
+
+    @classmethod
+    def assembled(cls, key: str, shape: tuple[int, ...], dtype: str,
+                  pieces: list[tuple[tuple[int, ...], LazyTensor]]) -> LazyTensor:
+        """The tensor ``key`` of global ``shape`` whose pieces, each at its offset, tile it
+        (a sharded save's shards); raises :class:`CorruptDataError` if they do not."""
+        where = f"step {pieces[0][1].step}, tensor {key!r}" if pieces else f"tensor {key!r}"
+        covered = 0
+        for offset, piece in pieces:
+            if piece._dtype != dtype or len(offset) != len(shape) or any(
+                    o < 0 or o + n > size for o, n, size in zip(offset, piece._shape, shape)):
+                raise CorruptDataError(f"{where}: shard {piece.key!r} ({piece._dtype}{list(piece._shape)} at "
+                                       f"{list(offset)}) does not lie in the tensor ({dtype}{list(shape)})")
+            covered += math.prod(piece._shape)
+        if covered != math.prod(shape):  # DCP's planner saves non-overlapping shards
+            raise CorruptDataError(f"{where}: its shards hold {covered} elements, the tensor {math.prod(shape)}")
+        lt = cls.__new__(cls)
+        lt._reader = pieces[0][1]._reader if pieces else None
+        lt.step = pieces[0][1].step if pieces else -1
+        lt.key = key
+        lt._entry = None
+        lt._shape = tuple(shape)
+        lt._dtype = dtype
+        lt._pieces = pieces
+        return lt
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size(self._entry.shape)
+        return torch.Size(self._shape)
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self._entry.dtype]
+        return DTYPES[self._dtype]
 
     @property
     def ndim(self) -> int:
-        return len(self._entry.shape)
+        return len(self._shape)
 
     def numel(self) -> int:
         return self.shape.numel()
 
     @property
     def nbytes(self) -> int:
-        return self._entry.nbytes
+        return self.numel() * itemsize(self._dtype)
 
     def __len__(self) -> int:
-        if not self._entry.shape:
+        if not self._shape:
             raise TypeError("len() of a 0-d tensor")
-        return self._entry.shape[0]
+        return self._shape[0]
 
     def __repr__(self) -> str:
-        return f"LazyTensor(step={self.step}, key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        shards = "" if self._pieces is None else f", shards={len(self._pieces)}"
+        return f"LazyTensor(step={self.step}, key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype}{shards})"
 
     def materialize(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The whole tensor, bit-exact, on ``device`` (default CPU)."""
@@ -117,12 +151,38 @@ class LazyTensor:
         return -self.materialize()
 
     async def _read(self, index: Index, session: ReadSession | None = None) -> torch.Tensor:
-        region, local = _plan(index, tuple(self._entry.shape), tuple(self._entry.chunks))
+        if self._pieces is not None:
+            return await self._assemble(index, session)
+        region, local = _plan(index, self._shape, tuple(self._entry.chunks))
         if region is None:
-            shape = torch.empty(self.shape, dtype=self.dtype, device="meta")[local].shape
-            return torch.empty(shape, dtype=self.dtype)
+            return self._empty(local)
         bits = await self._reader.read(self.step, self.key, region, session=session)
-        return numpy_to_tensor(bits, self._entry.dtype)[local]
+        return numpy_to_tensor(bits, self._dtype)[local]
+
+    async def _assemble(self, index: Index, session: ReadSession | None) -> torch.Tensor:
+        """Read the selection from the pieces it overlaps, each only over the overlap."""
+        pieces = self._pieces
+        assert pieces is not None
+        if len(pieces) == 1 and pieces[0][1]._shape == self._shape:
+            return await pieces[0][1]._read(index, session)
+        box, local = _plan(index, self._shape, (1,) * len(self._shape))  # the selection's bounding box
+        if box is None:
+            return self._empty(local)
+        overlaps = []
+        for offset, piece in pieces:
+            inner = tuple(slice(max(b.start, o) - o, min(b.stop, o + n) - o)
+                          for b, o, n in zip(box, offset, piece._shape))
+            if all(s.stop > s.start for s in inner):
+                overlaps.append((offset, piece, inner))
+        parts = await gather(piece._read(inner, session) for _, piece, inner in overlaps)
+        out = torch.empty([b.stop - b.start for b in box], dtype=self.dtype)
+        for (offset, _, inner), part in zip(overlaps, parts):
+            out[tuple(slice(o + s.start - b.start, o + s.stop - b.start) for o, s, b in zip(offset, inner, box))] = part
+        return out[local]
+
+    def _empty(self, local: tuple[Any, ...]) -> torch.Tensor:
+        shape = torch.empty(self.shape, dtype=self.dtype, device="meta")[local].shape
+        return torch.empty(shape, dtype=self.dtype)
 
 
 def _real(obj: Any) -> Any:

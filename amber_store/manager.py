@@ -6,6 +6,9 @@
 ...     train_step()
 ...     manager.maybe_save(step, model=model, optimizer=optimizer, extra={"data_pos": pos})
 >>> manager.close()                                     # waits for the last save
+
+In a sharded job (torch.distributed initialized with several ranks: FSDP2, DTensor) every rank
+makes the same calls; saves go through torch.distributed.checkpoint (:mod:`amber_store.dcp`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 
 from . import retention
+from .errors import AsyncSaveError
+from .lazy import materialize
 from .store import CommitInfo, Store, open
 
 
@@ -29,6 +34,14 @@ class CheckpointManager:
     runs on the save thread right after each commit, so it never stalls training. Other keyword
     arguments are :class:`~amber_store.Store` options (``codec``, ``chunk_bytes``, ...). A
     failed save or retention is raised by the next call.
+
+    ``sharded`` (default: whether torch.distributed is initialized with more than one rank):
+    every rank calls the manager alike, in step; the state is taken with
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` (FSDP2 / DTensor shards as they
+    are) and saved by ``dcp.save``, or by ``dcp.async_save`` on a process group of the
+    manager's own (training's collectives go on meanwhile); one save is pending at most, so a
+    save waits for the previous one. Retention runs once, on the coordinator, after the commit
+    and before the save completes. :meth:`restore` reshards the step onto the current ranks.
     """
 
     def __init__(
@@ -45,6 +58,7 @@ class CheckpointManager:
         codec: Any = "lossless",
         storage_options: dict[str, Any] | None = None,
         async_save: bool = True,
+        sharded: bool | None = None,
         **store_options: Any,
     ) -> None:
         if every < 1:
@@ -54,8 +68,22 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.best = None if keep_best is None else retention.BestN(keep_best, best_fn, best_mode)
         self.async_save = async_save
-        self.store: Store = open(uri, storage_options, mode="a", full_every=full_every, codec=codec, **store_options)
         self.extra: Any = None
+        self.sharded = _distributed() if sharded is None else sharded
+        options = {"full_every": full_every, "codec": codec, **store_options}
+        if not self.sharded:
+            self.store: Store = open(uri, storage_options, mode="a", **options)
+            return
+        from . import dcp
+        import torch.distributed as dist
+
+        # The store DCP saves go through in this process: one writer identity for all of them.
+        self.store = dcp._process(uri, storage_options, options).store
+        self._uri, self._storage_options, self._options = uri, storage_options, options
+        self._pending: Future[Any] | None = None
+        self._pending_step: int | None = None
+        # async saves run their collectives on a group of their own (created by every rank now)
+        self._group = dist.new_group(backend="gloo") if async_save else None
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "CheckpointManager":
@@ -76,6 +104,8 @@ class CheckpointManager:
         the CommitInfo of a synchronous one, or ``None`` when it did not save."""
         if not force and not self.should_save(step):
             return None
+        if self.sharded:
+            return self._save_sharded(step, model, optimizer, extra, metrics)
         state: dict[str, Any] = {"step": step}
         if model is not None:
             state["model"] = model.state_dict()
@@ -89,7 +119,25 @@ class CheckpointManager:
             return info
         return self.store.save_async(step, state, metrics=metrics, after=self._retain)
 
-    def _retain(self, info: CommitInfo) -> None:
+    def _save_sharded(self, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                      extra: Any, metrics: Mapping[str, float] | None) -> Future[Any] | None:
+        import torch.distributed.checkpoint as torch_dcp
+
+        from .dcp import AmberStorageWriter
+
+        self.wait()  # one pending save: training waits here when saves take longer than steps
+        state: dict[str, Any] = {"step": step, **_sharded_state(model, optimizer)}
+        if extra is not None:
+            state["extra"] = extra
+        writer = AmberStorageWriter(self.store, step=step, metrics=metrics, after=lambda m: self._retain(None))
+        if not self.async_save:
+            torch_dcp.save(state, storage_writer=writer)
+            return None
+        self._pending = torch_dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        self._pending_step = step
+        return self._pending
+
+    def _retain(self, info: CommitInfo | None) -> None:
         if self.keep_last is not None or self.best is not None:
             self.store.gc(self.keep_last, self.keep_every, policy=self.best)
 
@@ -99,6 +147,8 @@ class CheckpointManager:
         restored step, or ``None`` when the store has no step yet. ``extra`` holds the saved
         extra state."""
         self.wait()
+        if self.sharded:
+            return self._restore_sharded(model, optimizer, step)
         if step is None and self.store.latest() is None:
             return None
         state = self.store.load(step, lazy=False)
@@ -109,9 +159,43 @@ class CheckpointManager:
         self.extra = state.get("extra")
         return int(state["step"])
 
+    def _restore_sharded(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                         step: int | None) -> int | None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as torch_dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from .dcp import AmberStorageReader
+
+        chosen = [self.store.latest() if step is None else step]
+        dist.broadcast_object_list(chosen, src=0)  # every rank restores the coordinator's choice
+        if chosen[0] is None:
+            return None
+        step = int(chosen[0])
+        state = _sharded_state(model, optimizer)
+        if state:
+            torch_dcp.load(state, storage_reader=AmberStorageReader(self._uri, self._storage_options, step=step,
+                                                                    **self._options))
+            set_state_dict(model, [optimizer] if optimizer is not None else [],
+                           model_state_dict=state.get("model", {}), optim_state_dict=state.get("optim", {}))
+        saved = self.store.load(step)  # the rest, from the step's logical view: no collective
+        self.extra = materialize(saved["extra"]) if "extra" in saved else None
+        return int(saved["step"])
+
     def wait(self) -> None:
         """Wait for pending saves (and their retention); raise any failure."""
-        self.store.wait()
+        if not self.sharded:
+            self.store.wait()
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise AsyncSaveError(f"{self.store.uri}: the sharded save of step {self._pending_step} failed: "
+                                     f"{e}") from e
 
     # Orbax CheckpointManager's names, for those who know them.
 
@@ -137,10 +221,30 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self.store.close()
+            if not self.sharded:  # a sharded job's store is the process's DCP store: it lives on
+                self.store.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _sharded_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` as torch.distributed.checkpoint's ``get_state_dict``
+    gives them (an optimizer's state is created if it has none yet, so that it loads)."""
+    if model is None:
+        if optimizer is not None:
+            raise ValueError("a sharded job's optimizer is saved and restored with its model: pass model= too")
+        return {}
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, [optimizer] if optimizer is not None else [])
+    return {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}

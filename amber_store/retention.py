@@ -278,8 +278,9 @@ def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int])
     return sum(e.stored for e in written.entries.values())
 
 
-def _referenced(manifests: list[Manifest]) -> tuple[set[str], set[str]]:
-    """Arrays (and packs) the manifests point at, and every directory above them."""
+def _referenced(manifests: list[Manifest]) -> tuple[set[str], set[str], set[str]]:
+    """Arrays (and packs) the manifests point at, every directory above them, and the other
+    objects they name (a DCP step's metadata)."""
     arrays = {e.array for m in manifests for e in m.tensors.values() if e.array}
     arrays |= {p["array"] for m in manifests for p in m.packs.values()}
     groups = {m.group for m in manifests} | {m.extra["folded"]["group"] for m in manifests if "folded" in m.extra}
@@ -288,7 +289,8 @@ def _referenced(manifests: list[Manifest]) -> tuple[set[str], set[str]]:
     for a in arrays | groups:
         parts = a.split("/")
         dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return arrays, dirs
+    objects = {m.extra["dcp"]["metadata"] for m in manifests if "metadata" in m.extra.get("dcp", {})}
+    return arrays, dirs, objects
 
 
 async def _maybe_in_progress(history: History, group: str, grace_seconds: float) -> bool:
@@ -304,7 +306,7 @@ async def _maybe_in_progress(history: History, group: str, grace_seconds: float)
 async def _unreferenced(history: History, keep: list[int], all_steps: list[int], grace_seconds: float) -> list[str]:
     """Keys under ``steps/`` that the kept steps do not read (dry runs: as if gc had run)."""
     manifests = [await history.manifest(s) for s in keep]
-    arrays, dirs = _referenced(manifests)
+    arrays, dirs, objects = _referenced(manifests)
     latest = all_steps[-1] if all_steps else -1
     spared: dict[str, bool] = {}
     garbage = []
@@ -320,7 +322,7 @@ async def _unreferenced(history: History, keep: list[int], all_steps: list[int],
                 continue
         if key.endswith("/zarr.json") and key[: -len("/zarr.json")] in dirs:
             continue
-        if _is_chunk_of(key, arrays):
+        if key in objects or _is_chunk_of(key, arrays):
             continue
         garbage.append(key)
     return sorted(garbage)

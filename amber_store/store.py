@@ -30,7 +30,9 @@ from zarr.core.sync import sync
 from . import format as fmt
 from . import export as export_
 from . import retention
-from .errors import AmberError, CorruptDataError, StepNotFoundError, StepOrderError, StorageAccessError
+from . import shards
+from .errors import (AmberError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError,
+                     StorageAccessError)
 from .format import Manifest
 from .history import History
 from .background import Background
@@ -159,7 +161,7 @@ class Store:
         t0 = time.perf_counter()
         _check_step(step)
         tree, tensors = fmt.flatten(state_dict, self._walked)
-        return self._save_now(step, tree, tensors, full, t0, _metrics(metrics))
+        return self._save_now(step, tree, tensors, full, t0, check_metrics(metrics))
 
     def save_async(self, step: int, state_dict: Any, *, full: bool | None = None,
                    metrics: Mapping[str, float] | None = None,
@@ -181,7 +183,7 @@ class Store:
         self._background.raise_failure()
         t0 = time.perf_counter()
         _check_step(step)
-        scores = _metrics(metrics)
+        scores = check_metrics(metrics)
         if self._submitted is not None and step <= self._submitted:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the pending save of step {self._submitted}")
         waited = self._background.reserve()
@@ -288,10 +290,24 @@ class Store:
 
     def import_checkpoint(self, step: int, path: str | os.PathLike[str], *, format: str | None = None,
                           subtree: str | None = None) -> CommitInfo:
-        """Save an existing ``torch.save`` or safetensors file as a full ``step`` (a safetensors
-        file under ``subtree``, by default the one :meth:`export` recorded in it); see
-        :func:`amber_store.export.read`."""
-        return self.save(step, export_.read(path, format=format, subtree=subtree), full=True)  # type: ignore[arg-type]
+        """Save an existing checkpoint as a full ``step``: a ``torch.save`` or safetensors file
+        (a safetensors file under ``subtree``, by default the one :meth:`export` recorded in it;
+        see :func:`amber_store.export.read`), or a torch.distributed.checkpoint directory
+        (``FileSystemWriter``'s), which becomes a sharded step (see
+        :func:`amber_store.dcp.import_checkpoint`)."""
+        if not os.path.isdir(path):
+            return self.save(step, export_.read(path, format=format, subtree=subtree), full=True)  # type: ignore[arg-type]
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise NotAnAmberStoreError(f"{path}: a directory without DCP's .metadata; import reads a torch.save or "
+                                       "safetensors file, or a torch.distributed.checkpoint directory")
+        self._require_writable()
+        self.wait()
+        t0 = time.perf_counter()
+        from . import dcp  # torch.distributed's checkpoint modules, for DCP directories only
+
+        with self._saving:
+            m = dcp.import_checkpoint(self, step, path)
+        return CommitInfo(step, m.kind, m.base, m.nbytes_raw, m.nbytes_stored, time.perf_counter() - t0)
 
     def du(self) -> dict[str, Any]:
         """Stored bytes by step and by top-level group of the state (``model``, ``optim``, ...),
@@ -327,8 +343,16 @@ class Store:
                 return str(err)
             return None
 
-        errors = await gather(one(key) for key in m.tensors)
-        return dict(zip(m.tensors, errors))
+        errors = dict(zip(m.tensors, await gather(one(key) for key in m.tensors)))
+        layout = shards.layout_of(m)
+        if layout is None:
+            return errors
+        report: dict[str, str | None] = {}  # by the tensors and values the ranks saved
+        for item, name in layout.names().items():
+            error = errors.pop(item)
+            if report.get(name) is None:
+                report[name] = None if error is None else f"shard {item!r}: {error}"
+        return {**report, **errors}
 
     # --- loading ------------------------------------------------------------------------
 
@@ -338,23 +362,43 @@ class Store:
 
         Lazy (default): a structure mirroring the saved state dict whose dicts are
         :class:`LazyStateDict` and whose tensors are :class:`LazyTensor`; nothing is read until a
-        tensor or slice is used. ``lazy=False``: every tensor is read now (concurrently, each
+        tensor or slice is used. A step saved through torch.distributed.checkpoint opens as the
+        nested state its ranks saved: each sharded tensor one LazyTensor of its global shape (a
+        slice reads only the shards it overlaps), its other values read now with
+        ``weights_only=True`` (:class:`UnsafeValueError` for one that needs more). ``lazy=False``: every tensor is read now (concurrently, each
         stored object once) and put on ``device``. ``tree``: a state tree of the step's form
         (:func:`amber_store.format.flatten`'s, as a framework's pointer file keeps one) naming
-        tensors of the step, in place of the step's own tree.
+        tensors of the step, in place of the step's own tree; ``tree=store.manifest(step).tree``
+        opens a sharded step as its stored items.
         """
         if step is None:
             step = self.latest()
             if step is None:
                 raise StepNotFoundError(f"{self.uri}: the store is empty (no committed step)")
         m = self.manifest(step)
+        layout = shards.layout_of(m) if tree is None else None
+        values = {} if layout is None else sync(self._values(m, layout))
 
         @functools.cache  # tied weights: one LazyTensor, so one tensor, for all their keys
-        def leaf(key: str) -> LazyTensor:
-            return LazyTensor(self.reader, step, key, m.tensors[key])
+        def leaf(key: str) -> Any:
+            if layout is None:
+                return LazyTensor(self.reader, step, key, m.tensors[key])
+            if key in values:
+                return values[key]
+            t = layout.tensors[key]
+            return LazyTensor.assembled(key, t.shape, t.dtype, [
+                (offset, LazyTensor(self.reader, step, item, m.tensors[item])) for offset, item in t.shards])
 
-        lazy_sd = fmt.unflatten(m.tree if tree is None else tree, leaf, LazyStateDict)
+        lazy_sd = fmt.unflatten((m.tree if layout is None else layout.tree) if tree is None else tree, leaf,
+                                LazyStateDict)
         return lazy_sd if lazy else materialize(lazy_sd, device)
+
+    async def _values(self, m: Manifest, layout: shards.Layout) -> dict[str, Any]:
+        """The Python values of a sharded step, read now (each stored object once)."""
+        session = ReadSession()
+        raws = await gather(self.reader.read(m.step, item, session=session) for item in layout.values.values())
+        return {name: shards.value(raw, m.step, name, item)
+                for (name, item), raw in zip(layout.values.items(), raws)}
 
 
 def _check_step(step: int) -> None:
@@ -362,7 +406,7 @@ def _check_step(step: int) -> None:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
 
 
-def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     """Metrics as stored in a manifest: string names, finite numbers."""
     out = {}
     for name, value in (metrics or {}).items():

@@ -42,6 +42,31 @@ def sharded(state: dict[str, torch.Tensor], mesh) -> dict:
             "meta": {"lr": 0.01, "version": 1}}
 
 
+def gathered(obj):
+    """``obj`` with every DTensor gathered into its full tensor (a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: gathered(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [gathered(v) for v in obj]
+    return obj
+
+
+def fsdp_model() -> torch.nn.Module:
+    """An MLP with FSDP2 (fully_shard) on each layer and the root: every parameter a DTensor,
+    sharded by rows over the ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    return fully_shard(model)
+
+
 def expect_failure(rank: int, save) -> None:
     """Run ``save``, which must fail; print the failure (DCP raises a CheckpointException, a
     BaseException, on every rank, carrying each failed rank's error)."""
@@ -136,6 +161,59 @@ def main() -> None:
                                                   storage_writer=AmberStorageWriter(uri, options, step=5, full=True,
                                                                                     **store_options)))
             print(f"rank {rank}: failed after {time.monotonic() - t0:.1f} s", flush=True)
+        elif job == "fsdp":  # an FSDP2 model and AdamW, saved at training steps 10 and 20 (and as DCP files)
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            out = Path(options.pop("out"))
+            model = fsdp_model()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in (10, 20):
+                torch.manual_seed(step)
+                model(torch.randn(8, 64)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                msd, osd = get_state_dict(model, optimizer)
+                state = {"model": msd, "optim": osd, "step": step, "run": {"name": "mlp", "seed": 0}}
+                dcp.save(state, storage_writer=AmberStorageWriter(uri, options, step=step, **store_options))
+                expected_state = gathered(state)
+                if rank == 0:
+                    torch.save(expected_state, out / f"expected_{step}.pt")
+            dcp.save(state, checkpoint_id=str(out / "dcp"))  # DCP's own FileSystemWriter, for import
+        elif job == "manager":  # a sharded CheckpointManager: "train" saves steps 2, 4, 6; "resume" restores one
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            from amber_store.manager import CheckpointManager
+
+            out, phase, restore = Path(options.pop("out")), options.pop("phase"), options.pop("restore", None)
+            model = fsdp_model()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+            def state():
+                msd, osd = get_state_dict(model, optimizer)
+                return gathered({"model": msd, "optim": osd})
+
+            manager = CheckpointManager(uri, every=2, keep_last=2, storage_options=options or None, **store_options)
+            start = 0
+            if phase == "resume":
+                start = manager.restore(model, optimizer, step=restore)
+                restored = {"state": state(), "step": start, "extra": manager.extra}
+                if rank == 0:
+                    torch.save(restored, out / f"restored_{world}.pt")
+            for step in range(start + 1, 7):
+                torch.manual_seed(step)  # the same batch on every rank
+                model(torch.randn(8, 64)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if phase == "train":
+                    manager.maybe_save(step, model=model, optimizer=optimizer, extra={"data_pos": step * 8})
+                    if step == 4:
+                        at_4 = state()
+                        if rank == 0:
+                            torch.save(at_4, out / "state_4.pt")
+            manager.close()
+            final = state()
+            if rank == 0:
+                torch.save(final, out / f"final_{phase}_{world}.pt")
         elif job == "load":  # into DTensors of this world size, or full tensors in one process
             want = expected(int(options.pop("version", 2)))
             step = options.pop("step", None)

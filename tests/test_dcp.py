@@ -3,8 +3,10 @@ loads, failures, and incremental DCP saves."""
 
 from __future__ import annotations
 
+import fractions
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,9 +20,12 @@ import torch.distributed.checkpoint as dcp
 
 import amber_store as amber
 from amber_store import format as fmt
+from amber_store.cli import main as cli
 from amber_store.dcp import AmberStorageReader, AmberStorageWriter
 from backends.process import free_port
-from conftest import BUCKET, assert_bit_equal
+from conftest import BUCKET, CountingStore, assert_bit_equal, assert_tree_bit_equal, flip_stored_byte, is_data_key
+from zarr.abc.store import RangeByteRequest
+from zarr.storage import LocalStore
 
 WORKER = Path(__file__).parent / "dcp_workers.py"
 
@@ -231,3 +236,167 @@ def test_a_request_timing_out_before_the_save_deadline_fails_the_dcp_save_with_t
             dcp.save({"w": torch.randn(64, 64)}, storage_writer=AmberStorageWriter(tmp_path / f"c{timeout}", step=1,
                                                                                   save_timeout=timeout))
         assert "did not finish within" not in str(err.value)
+
+
+# --- sharded steps as the state the ranks saved -------------------------------------------
+
+FSDP_STORE = {"chunk_bytes": 4096, "pack_threshold": 4096}  # 16 rows of a 256x64 weight per chunk
+
+
+def run_fsdp(uri: str, opts: dict, out: Path) -> tuple[str, dict, Path]:
+    """Two ranks train an FSDP2 MLP with AdamW, saving steps 10 and 20 into ``uri`` (and step
+    20 as DCP's own files under ``out/dcp``); the full states go to ``out/expected_<step>.pt``."""
+    launch("fsdp", 2, uri, {**opts, "out": str(out), "store": FSDP_STORE})
+    return uri, opts, out
+
+
+@pytest.fixture(scope="module")
+def fsdp_local(tmp_path_factory) -> tuple[str, dict, Path]:
+    out = tmp_path_factory.mktemp("fsdp")
+    return run_fsdp(str(out / "ckpt"), {}, out)
+
+
+@pytest.fixture(scope="module", params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def fsdp_run(request, tmp_path_factory) -> tuple[str, dict, Path]:
+    if request.param == "local":
+        return request.getfixturevalue("fsdp_local")
+    server = request.getfixturevalue("s3_server")
+    return run_fsdp(f"s3://{BUCKET}/{uuid.uuid4().hex}", server.storage_options(), tmp_path_factory.mktemp("fsdp"))
+
+
+def expected_state(out: Path, step: int) -> dict:
+    return torch.load(out / f"expected_{step}.pt", weights_only=True)
+
+
+def test_an_fsdp2_step_opens_in_one_process_as_the_nested_state_its_ranks_saved(fsdp_run):
+    uri, opts, out = fsdp_run
+    store = amber.open(uri, opts or None, mode="r")
+    assert store.steps() == [10, 20] and store.manifest(20).kind == "delta"
+    for step in (10, 20):
+        expected = expected_state(out, step)
+        lazy = store.load(step)
+        weight = lazy["model"]["0.weight"]
+        assert isinstance(weight, amber.LazyTensor) and "shards=2" in repr(weight)
+        assert (weight.shape, weight.dtype) == (torch.Size([256, 64]), torch.float32)
+        assert lazy["step"] == step and lazy["run"] == {"name": "mlp", "seed": 0}
+        assert lazy["optim"]["param_groups"][0]["lr"] == 1e-2
+        assert_bit_equal(weight[100:140, 3:9], expected["model"]["0.weight"][100:140, 3:9])  # across both shards
+        assert_bit_equal(lazy["optim"]["state"]["2.weight"]["exp_avg_sq"][-1], expected["optim"]["state"]["2.weight"]["exp_avg_sq"][-1])
+        assert_tree_bit_equal(amber.materialize(lazy), expected)
+        assert_tree_bit_equal(store.load(step, lazy=False, device="cpu"), expected)
+
+
+def test_a_slice_of_a_sharded_tensor_reads_only_the_chunks_it_overlaps_in_each_shard(fsdp_local):
+    uri, _, out = fsdp_local
+    counting = CountingStore(LocalStore(uri, read_only=True))
+    store = amber.open(counting, mode="r")
+    weight = store.load(20)["model"]["0.weight"]  # rows 0-127 on rank 0, 128-255 on rank 1; 16 rows a chunk
+    for rows, touched in ((slice(2, 5), [("model.0.weight/0_0", 0)]),
+                          (slice(120, 136), [("model.0.weight/0_0", 7), ("model.0.weight/128_0", 0)])):
+        counting.ranges.clear()
+        assert_bit_equal(weight[rows], expected_state(out, 20)["model"]["0.weight"][rows])
+        expected = []
+        for step in (10, 20):  # the full step and the delta on it
+            for key, chunk in touched:
+                e = store.manifest(step).tensors[key]
+                offset, n = e.index[chunk]
+                expected.append((f"{e.array}/0.0", RangeByteRequest(offset, offset + n)))
+        assert sorted((r for r in counting.ranges if is_data_key(r[0])), key=str) == sorted(expected, key=str)
+
+
+def test_a_sharded_value_that_needs_code_to_load_is_refused_naming_it_and_the_items_stay_readable(tmp_path):
+    uri = str(tmp_path / "ckpt")
+    state = {"w": torch.randn(4, 4), "sched": {"frac": fractions.Fraction(1, 3), "lr": 0.5}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process
+        dcp.save(state, storage_writer=AmberStorageWriter(uri, step=1))
+    store = amber.open(uri, mode="r")
+    with pytest.raises(amber.UnsafeValueError, match=r"step 1: 'sched/frac' is a pickled object"):
+        store.load(1)
+    items = store.load(1, tree=store.manifest(1).tree)
+    assert_bit_equal(items["w/0_0"].materialize(), state["w"])
+
+
+def test_info_du_verify_and_export_show_a_sharded_step_as_its_tensors(fsdp_local, tmp_path, capsys):
+    uri, _, out = fsdp_local
+    expected = expected_state(out, 20)
+    assert cli(["info", uri, "20", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tensors"]["model/0.weight"]["shape"] == [256, 64] and info["tensors"]["model/0.weight"]["shards"] == 2
+    assert info["tensors"]["step"]["dtype"] == "object"
+    assert {k for k in info["tensors"] if k.startswith("optim/state/0.weight/")} == {
+        "optim/state/0.weight/step", "optim/state/0.weight/exp_avg", "optim/state/0.weight/exp_avg_sq"}
+    assert cli(["du", uri, "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["groups"]) == {"model", "optim", "step", "run"}
+
+    assert cli(["export", uri, "20", str(tmp_path / "model.safetensors")]) == 0
+    from safetensors.torch import load_file
+    exported = load_file(str(tmp_path / "model.safetensors"))  # (keys sorted)
+    assert_tree_bit_equal(exported, {k: expected["model"][k] for k in exported})
+    assert set(exported) == set(expected["model"])
+    capsys.readouterr()
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(uri, damaged)
+    flip_stored_byte(damaged, amber.open(damaged, mode="r"), 10, "model.0.weight/128_0")
+    assert cli(["verify", str(damaged), "10"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    fails = [line for line in lines if line.startswith("FAIL")]
+    assert len(fails) == 1 and "tensor model/0.weight: shard 'model.0.weight/128_0'" in fails[0]
+    assert lines[-1].startswith("DAMAGED") and "1 failed" in lines[-1]
+
+
+def test_a_dcp_checkpoint_directory_imports_as_a_sharded_step_that_loads_and_reshards(fsdp_run, tmp_path, capsys):
+    uri, opts, out = fsdp_run
+    target = str(tmp_path / "imported") if not opts else f"{uri}-imported"
+    store = amber.open(target, opts or None)
+    info = store.import_checkpoint(30, out / "dcp")
+    assert info.kind == "full" and store.steps() == [30]
+    expected = expected_state(out, 20)
+    assert_tree_bit_equal(store.load(30, lazy=False), expected)
+    store.save(31, {"after": torch.ones(3)})  # the importing store's writer goes on saving
+    # DCP reads the imported step into any layout: here whole tensors in one process
+    state = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=AmberStorageReader(target, opts or None, step=30))
+    assert_tree_bit_equal(state["model"], dict(expected["model"]))
+    if not opts:
+        assert cli(["import", str(tmp_path / "cli"), "7", str(out / "dcp")]) == 0
+        assert "imported" in capsys.readouterr().out
+        assert_tree_bit_equal(amber.open(tmp_path / "cli", mode="r").load(7, lazy=False), expected)
+        with pytest.raises(amber.NotAnAmberStoreError, match="without DCP's .metadata"):
+            store.import_checkpoint(40, tmp_path)
+
+
+def test_gc_of_a_sharded_store_keeps_each_kept_step_loadable_by_dcp_and_as_one_state(fsdp_local, tmp_path):
+    uri, _, out = fsdp_local
+    copy = tmp_path / "ckpt"
+    shutil.copytree(uri, copy)
+    report = amber.open(copy).gc(keep_last=1)
+    assert (report.delete, report.rewrite) == ([10], [20])  # step 20 loses its base: folded
+    expected = expected_state(out, 20)
+    assert_tree_bit_equal(amber.open(copy, mode="r").load(20, lazy=False), expected)
+    state = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=AmberStorageReader(str(copy), step=20))  # needs the step's DCP metadata
+    assert_tree_bit_equal(state["model"], dict(expected["model"]))
+
+
+def test_a_sharded_checkpoint_manager_saves_on_every_rank_and_restores_onto_another_world_size(dcp_location, tmp_path):
+    uri, opts = dcp_location
+    job = {**opts, "out": str(tmp_path)}
+    launch("manager", 2, uri, {**job, "phase": "train"})  # async saves of steps 2, 4, 6; keep_last=2
+    store = amber.open(uri, opts or None, mode="r")
+    assert store.steps() == [4, 6]
+    assert store.load(6)["model"]["0.weight"].shape == (256, 64)
+    saved = torch.load(tmp_path / "state_4.pt", weights_only=True)
+    for world in (3, 2):
+        launch("manager", world, uri, {**job, "phase": "resume", "restore": 4})
+        restored = torch.load(tmp_path / f"restored_{world}.pt", weights_only=True)
+        assert restored["step"] == 4 and restored["extra"] == {"data_pos": 32}
+        assert_tree_bit_equal(restored["state"], saved)  # model and AdamW state, resharded 2 -> 3
+    # resumed from step 4 on as many ranks, steps 5-6 retrace the uninterrupted run bit for bit
+    assert_tree_bit_equal(torch.load(tmp_path / "final_resume_2.pt", weights_only=True),
+                          torch.load(tmp_path / "final_train_2.pt", weights_only=True))

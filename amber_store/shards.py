@@ -1,0 +1,87 @@
+"""A step saved in shards (through torch.distributed.checkpoint) as the state its ranks saved.
+
+DCP stores *items*: one per tensor shard (``model.w/256_0``) and one per plain Python value
+(pickled by ``torch.save``). The writer records, in the manifest (``extra.dcp.state``, see
+docs/FORMAT.md), how items make the state: the nested structure DCP flattened, each tensor's
+global shape, dtype and shards, and each value's item. From that, any single process opens the
+step as the nested state dict the ranks passed to ``dcp.save``: one lazy tensor per logical
+tensor, assembled from its shards; values read with ``torch.load(weights_only=True)``, so
+opening a step never runs code stored in it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import UnsafeValueError
+from .format import Manifest
+
+
+@dataclass(frozen=True)
+class ShardedTensor:
+    """One logical tensor: global ``shape`` and ``dtype``, and its shards as ``(offset, item key)``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[tuple[tuple[int, ...], str], ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a sharded step's items make its state.
+
+    ``tree``: the nested state (the manifest tree's grammar), whose ``tensor`` leaves name
+    entries of ``tensors`` or ``values``; ``values``: logical name -> item key of a pickled value.
+    """
+
+    tree: dict[str, Any]
+    tensors: dict[str, ShardedTensor]
+    values: dict[str, str]
+
+    def names(self) -> dict[str, str]:
+        """Item key -> the logical name it belongs to."""
+        out = {key: name for name, key in self.values.items()}
+        for name, t in self.tensors.items():
+            out.update((key, name) for _, key in t.shards)
+        return out
+
+
+def layout_of(m: Manifest) -> Layout | None:
+    """The logical layout of a sharded step (``None`` for a step saved whole, or a DCP step
+    written before layouts were recorded: it opens as its items)."""
+    state = m.extra.get("dcp", {}).get("state")
+    if state is None:
+        return None
+    tensors = {name: ShardedTensor(t["dtype"], tuple(t["shape"]),
+                                   tuple((tuple(offset), key) for offset, key in t["shards"]))
+               for name, t in state["tensors"].items()}
+    return Layout(state["tree"], tensors, dict(state["values"]))
+
+
+def to_json(layout: Layout) -> dict[str, Any]:
+    """The layout as stored in ``extra.dcp.state``."""
+    return {"tree": layout.tree,
+            "tensors": {name: {"dtype": t.dtype, "shape": list(t.shape),
+                               "shards": [[list(offset), key] for offset, key in t.shards]}
+                        for name, t in layout.tensors.items()},
+            "values": layout.values}
+
+
+def value(raw: np.ndarray, step: int, name: str, item: str) -> Any:
+    """The Python value of item ``item`` (``torch.save`` bytes), loaded without running code
+    stored in it; a value that needs that is refused, naming it."""
+    import torch  # here: listing and inspecting a store (history) never import torch
+
+    try:
+        return torch.load(io.BytesIO(raw.tobytes()), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = str(e).split("\n")[0] if str(e) else type(e).__name__
+        raise UnsafeValueError(
+            f"step {step}: {name!r} is a pickled object that cannot be read without running code stored with it "
+            f"({reason}). If you trust this store, read its bytes with store.load({step}, "
+            f"tree=store.manifest({step}).tree)[{item!r}] and torch.load them with weights_only=False") from None
