@@ -27,8 +27,13 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
 def _open(args: argparse.Namespace, mode: str = "r") -> Any:
     import amber_store as amber
 
-    return amber.open(args.uri, _storage_options(args), mode=mode, progress=not args.json,
+    return amber.open(args.uri, _storage_options(args), mode=mode, progress=_progress(args),
                       single_writer=args.single_writer)
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress bars for a person at a terminal: not with --json, not into a pipe or a log."""
+    return not args.json and sys.stderr.isatty()
 
 
 def _history(args: argparse.Namespace) -> Any:
@@ -173,7 +178,10 @@ def cmd_pins(args: argparse.Namespace) -> int:
 
 
 def _print_pins(args: argparse.Namespace, pins: dict[str, int]) -> int:
-    print(json.dumps(pins, indent=1) if args.json else "\n".join(f"{n}: {s}" for n, s in sorted(pins.items())))
+    if args.json:
+        print(json.dumps(pins, indent=1))
+    else:
+        print("\n".join(f"{n}: {s}" for n, s in sorted(pins.items())) or "no pins")
     return 0
 
 
@@ -211,7 +219,7 @@ def cmd_du(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run
 
-    summary = run(args.uri, steps=args.steps, every=args.every, full_every=args.full_every, progress=not args.json,
+    summary = run(args.uri, steps=args.steps, every=args.every, full_every=args.full_every, progress=_progress(args),
                   force=args.force)
     if args.json:
         print(json.dumps(summary, indent=1))

@@ -17,9 +17,10 @@ rank; every rank writes its items in ``write_data`` by the save's deadline; DCP 
 results on the coordinator, and only then ``finish`` seals the group and commits the manifest.
 A failure on any rank means ``finish`` never runs, so the step stays invisible.
 
-The commit also records how the items make the state the ranks saved (:mod:`amber_store.shards`),
+The manifest records how the items make the state the ranks saved (:mod:`amber_store.shards`),
 so ``amber_store.open(uri).load(step)`` in any single process, without a process group, opens a
-sharded step as that nested state: one lazy tensor of global shape per sharded tensor.
+sharded step as that nested state: one lazy tensor of global shape per sharded tensor. That
+record is also what ``dcp.load`` plans with (:func:`metadata_of`): no pickle is stored or read.
 :func:`import_checkpoint` moves a checkpoint directory written by DCP's ``FileSystemWriter``
 into a store.
 
@@ -52,7 +53,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -76,9 +78,6 @@ from .runtime import gather
 from .stepwriter import BaseCache, Written
 from .store import Store, check_metrics, open
 from .writer import StepPlan
-
-_METADATA = "dcp.metadata"
-
 
 class _Process:
     """What this process keeps of one store across DCP saves: the store itself, so that its
@@ -238,29 +237,25 @@ class AmberStorageWriter(StorageWriter):
         decision = held.unfinished
         assert decision is not None, "finish() before prepare_global_plan()"
         t0 = time.perf_counter()
-        index_to_key: dict[MetadataIndex, str] = {}
         entries: dict[str, TensorEntry] = {}
         written = Written()
         for rank_results in results:
             for r in rank_results:
                 entries[r.storage_data["key"]] = TensorEntry(**r.storage_data["entry"])
-                index_to_key[r.index] = r.storage_data["key"]
                 written.packs.update(r.storage_data.get("packs", {}))
                 written.arrays.update(r.storage_data.get("arrays", {}))
                 written.keys.extend(r.storage_data.get("keys", []))
         written.entries = dict(sorted(entries.items()))
-        metadata.storage_data = index_to_key
-        blob = pickle.dumps(metadata)
-        meta_key = f"{decision.group}/{_METADATA}"
-        sync(writer.backend.put_object(meta_key, [blob]))
-        written.keys.append(meta_key)
+        layout = state_layout(metadata)
+        if set(layout.names()) != set(entries):
+            raise AssertionError(f"{held.store.uri}: step {decision.step}: the state's items and the ranks' writes differ")
         created = sync(writer.seal(decision, written))
-        tree = {"dict": [[k, {"tensor": k}] for k in written.entries]}
-        state = shards.to_json(state_layout(metadata))
-        extra: dict[str, Any] = {"dcp": {"metadata": meta_key, "bytes": len(blob), "state": state}}
+        # DCP's Metadata is not stored: the layout says all that dcp.load plans with (metadata_of)
+        extra: dict[str, Any] = {"dcp": {"state": shards.to_json(layout)}}
         if self.metrics:
             extra["metrics"] = self.metrics
-        self.last_commit = sync(writer.commit(decision, written, tree, created, time.perf_counter() - t0, extra))
+        self.last_commit = sync(writer.commit(decision, written, layout.tree, created, time.perf_counter() - t0,
+                                              extra))
         held.unfinished = None
         held.promote()
         if self.after is not None:
@@ -326,6 +321,29 @@ def _state_order(metadata: Metadata) -> list[str]:
     saved = metadata.state_dict_metadata
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     return [fqn for fqn in mapping if fqn in saved] + [fqn for fqn in saved if fqn not in mapping]
+
+
+def metadata_of(m: Manifest, layout: shards.Layout) -> Metadata:
+    """DCP's ``Metadata`` of a sharded step, rebuilt from its layout: each tensor's shards as
+    chunks, each value as bytes, the flattening's paths as ``planner_data``, and each item's
+    key as ``storage_data``."""
+    state: dict[str, Any] = {}
+    planner_data: dict[str, tuple[str | int, ...]] = {}
+    keys: dict[MetadataIndex, str] = {}
+    for name, path in shards.paths(layout.tree).items():
+        fqn = ".".join(map(str, path))  # DCP's flattened key
+        planner_data[fqn] = path
+        if name in layout.values:
+            state[fqn] = BytesStorageMetadata()
+            keys[MetadataIndex(fqn)] = layout.values[name]
+            continue
+        t = layout.tensors[name]
+        chunks = []
+        for offset, item in t.shards:
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(m.tensors[item].shape)))
+            keys[MetadataIndex(fqn, torch.Size(offset))] = item
+        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=fmt.DTYPES[t.dtype]), torch.Size(t.shape), chunks)
+    return Metadata(state, planner_data=planner_data, storage_data=keys)
 
 
 class _SafeValuesPlanner(_EmptyStateDictLoadPlanner):
@@ -436,9 +454,14 @@ class AmberStorageReader(StorageReader):
         dcp_info = manifest.extra.get("dcp")
         if not dcp_info:
             raise NotAnAmberStoreError(f"{store.uri}: step {step} was not written through torch.distributed.checkpoint")
+        layout = shards.layout_of(manifest)
+        if layout is not None:
+            return metadata_of(manifest, layout)
+        # format 8: DCP's Metadata pickled beside the step (written by this package's own writer)
         raw = sync(store.history.backend.get(dcp_info["metadata"]))
         if raw is None:
-            raise CorruptDataError(f"{store.uri}: step {step}: DCP metadata is missing", step=step, tensor=_METADATA)
+            raise CorruptDataError(f"{store.uri}: step {step}: DCP metadata is missing", step=step,
+                                   tensor="dcp.metadata")
         metadata: Metadata = pickle.loads(raw.to_bytes())
         return metadata
 

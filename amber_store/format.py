@@ -40,7 +40,10 @@ FORMAT_NAME = "amber-store"
 # 7: entropy-coded chunks may store their codes sparse (the gaps between nonzero codes, then those),
 # behind a layout byte; entries say so in params["sparse_codes"], amber.ans in its configuration.
 # 8: a third layout behind that byte: dense codes as zstd-compressed nibbles, the few beyond +-7 escaped.
-FORMAT_VERSION = 8
+# 9: steps written through torch.distributed.checkpoint carry their layout as JSON (the state's
+# tree, each tensor's shards, each value's item) instead of DCP's pickled metadata; entries leave
+# out fields that are null.
+FORMAT_VERSION = 9
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
 STEPS_DIR = "steps"
@@ -738,6 +741,9 @@ class TensorEntry:
         return self.encoding != "same" and self.index is None and self.pack is None
 
 
+_OPTIONAL = {"params", "index", "pack"}  # TensorEntry fields that default to None
+
+
 @dataclass
 class Manifest:
     """A committed step. Written last; its presence is what makes the step exist."""
@@ -771,7 +777,9 @@ class Manifest:
         return sum(e.stored for e in self.tensors.values())
 
     def to_json(self) -> bytes:
-        d = {**vars(self), "tensors": {k: vars(e) for k, e in self.tensors.items()}}
+        # (an entry's null optional fields left out: a sharded step has an entry per shard)
+        d = {**vars(self), "tensors": {k: {f: v for f, v in vars(e).items() if v is not None or f not in _OPTIONAL}
+                                       for k, e in self.tensors.items()}}
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod

@@ -107,8 +107,26 @@ class History:
         """The root's format version; refuses an empty location (nothing to read)."""
         version = await self.root_version()
         if version is None:
-            raise NotAnAmberStoreError(f"{self.uri}: no amber-store here (nothing to read)")
+            raise NotAnAmberStoreError(f"{self.uri}: no amber-store here ({await self._what_is_here()})")
         return version
+
+    async def _what_is_here(self) -> str:
+        """What a location that is not a store holds, and what to do with checkpoint files."""
+        names = []
+        async for name in self.backend.list_dir(""):
+            names.append(name)
+            if len(names) == 1000:
+                break
+        if not names:
+            return "nothing to read"
+        if ".metadata" in names:
+            return ("it is a torch.distributed.checkpoint directory: move it into a store with "
+                    "`amber-store import STORE STEP DIR`")
+        files = sorted(n for n in names if n.lower().endswith(_CHECKPOINT_SUFFIXES))
+        if files:
+            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            return f"it holds checkpoint files ({shown}): save one into a store with `amber-store import STORE STEP FILE`"
+        return "it holds other data"
 
     async def write_root(self) -> None:
         """The root group (format version: this code's) and the ``steps`` group below it, so
@@ -129,7 +147,8 @@ class History:
             if version is not None:  # mode "w": only ever wipe what is recognisably ours
                 await self.backend.delete_dir("")
             if not await self.backend.is_empty():
-                raise NotAnAmberStoreError(f"{self.uri}: not empty and not an amber-store; refusing to write into it")
+                raise NotAnAmberStoreError(f"{self.uri}: not empty and not an amber-store ({await self._what_is_here()}); "
+                                           "refusing to write into it")
             await self.write_root()
             version = fmt.FORMAT_VERSION
         if exclusive_commits:
@@ -424,6 +443,9 @@ class History:
             pins = await self.pins()
             raise PinNotFoundError(f"{self.uri}: no pin named {name!r} (pins: {', '.join(sorted(pins)) or 'none'})")
         await self.backend.delete(key)
+
+
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
 
 def _logical(items: dict[str, dict[str, Any]], layout: shards.Layout) -> dict[str, dict[str, Any]]:

@@ -1,12 +1,13 @@
 """A step saved in shards (through torch.distributed.checkpoint) as the state its ranks saved.
 
 DCP stores *items*: one per tensor shard (``model.w/256_0``) and one per plain Python value
-(pickled by ``torch.save``). The writer records, in the manifest (``extra.dcp.state``, see
-docs/FORMAT.md), how items make the state: the nested structure DCP flattened, each tensor's
-global shape, dtype and shards, and each value's item. From that, any single process opens the
+(pickled by ``torch.save``). The manifest records how items make the state (docs/FORMAT.md):
+its ``tree`` is the nested structure DCP flattened, and ``extra.dcp.state`` has each tensor's
+global shape, dtype and shards and each value's item. From that, any single process opens the
 step as the nested state dict the ranks passed to ``dcp.save``: one lazy tensor per logical
 tensor, assembled from its shards; values read with ``torch.load(weights_only=True)``, so
-opening a step never runs code stored in it.
+opening a step never runs code stored in it. DCP's own ``Metadata``, which ``dcp.load``
+plans with, is rebuilt from the same record (:func:`amber_store.dcp.metadata_of`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class ShardedTensor:
 class Layout:
     """How a sharded step's items make its state.
 
-    ``tree``: the nested state (the manifest tree's grammar), whose ``tensor`` leaves name
-    entries of ``tensors`` or ``values``; ``values``: logical name -> item key of a pickled value.
+    ``tree``: the nested state (the manifest's ``tree``), whose ``tensor`` leaves name entries of
+    ``tensors`` or ``values``; ``values``: logical name -> item key of a pickled value.
     """
 
     tree: dict[str, Any]
@@ -52,24 +53,48 @@ class Layout:
 
 
 def layout_of(m: Manifest) -> Layout | None:
-    """The logical layout of a sharded step (``None`` for a step saved whole, or a DCP step
-    written before layouts were recorded: it opens as its items)."""
+    """The logical layout of a sharded step (``None`` for a step saved whole, or a DCP step of
+    format 8, whose tree is its items: it opens as them)."""
     state = m.extra.get("dcp", {}).get("state")
     if state is None:
         return None
     tensors = {name: ShardedTensor(t["dtype"], tuple(t["shape"]),
                                    tuple((tuple(offset), key) for offset, key in t["shards"]))
                for name, t in state["tensors"].items()}
-    return Layout(state["tree"], tensors, dict(state["values"]))
+    return Layout(m.tree, tensors, dict(state["values"]))
 
 
 def to_json(layout: Layout) -> dict[str, Any]:
-    """The layout as stored in ``extra.dcp.state``."""
-    return {"tree": layout.tree,
-            "tensors": {name: {"dtype": t.dtype, "shape": list(t.shape),
+    """The layout as stored in ``extra.dcp.state`` (its tree is the manifest's ``tree``)."""
+    return {"tensors": {name: {"dtype": t.dtype, "shape": list(t.shape),
                                "shards": [[list(offset), key] for offset, key in t.shards]}
                         for name, t in layout.tensors.items()},
             "values": layout.values}
+
+
+def items_tree(m: Manifest) -> dict[str, Any]:
+    """A tree of a step's stored items, each under its own key: ``store.load(step,
+    tree=items_tree(store.manifest(step)))`` opens a sharded step as DCP stored it."""
+    return {"dict": [[key, {"tensor": key}] for key in m.tensors]}
+
+
+def paths(tree: dict[str, Any]) -> dict[str, tuple[str | int, ...]]:
+    """Each leaf name of a sharded step's tree -> its path in the state (dict keys, list indices)."""
+    out: dict[str, tuple[str | int, ...]] = {}
+
+    def walk(node: dict[str, Any], path: tuple[str | int, ...]) -> None:
+        kind, body = next(iter(node.items()))
+        if kind == "tensor":
+            out[body] = path
+        elif kind == "dict":
+            for key, child in body:
+                walk(child, (*path, key))
+        elif kind == "list":
+            for i, child in enumerate(body):
+                walk(child, (*path, i))
+
+    walk(tree, ())
+    return out
 
 
 def value(raw: np.ndarray, step: int, name: str, item: str) -> Any:
@@ -84,4 +109,5 @@ def value(raw: np.ndarray, step: int, name: str, item: str) -> Any:
         raise UnsafeValueError(
             f"step {step}: {name!r} is a pickled object that cannot be read without running code stored with it "
             f"({reason}). If you trust this store, read its bytes with store.load({step}, "
-            f"tree=store.manifest({step}).tree)[{item!r}] and torch.load them with weights_only=False") from None
+            f"tree=amber_store.shards.items_tree(store.manifest({step})))[{item!r}] and torch.load them with "
+            "weights_only=False") from None

@@ -368,8 +368,9 @@ class Store:
         ``weights_only=True`` (:class:`UnsafeValueError` for one that needs more). ``lazy=False``: every tensor is read now (concurrently, each
         stored object once) and put on ``device``. ``tree``: a state tree of the step's form
         (:func:`amber_store.format.flatten`'s, as a framework's pointer file keeps one) naming
-        tensors of the step, in place of the step's own tree; ``tree=store.manifest(step).tree``
-        opens a sharded step as its stored items.
+        tensors of the step, in place of the step's own tree;
+        ``tree=amber_store.shards.items_tree(store.manifest(step))`` opens a sharded step as its
+        stored items.
         """
         if step is None:
             step = self.latest()
@@ -389,8 +390,7 @@ class Store:
             return LazyTensor.assembled(key, t.shape, t.dtype, [
                 (offset, LazyTensor(self.reader, step, item, m.tensors[item])) for offset, item in t.shards])
 
-        lazy_sd = fmt.unflatten((m.tree if layout is None else layout.tree) if tree is None else tree, leaf,
-                                LazyStateDict)
+        lazy_sd = fmt.unflatten(m.tree if tree is None else tree, leaf, LazyStateDict)
         return lazy_sd if lazy else materialize(lazy_sd, device)
 
     async def _values(self, m: Manifest, layout: shards.Layout) -> dict[str, Any]:
@@ -433,6 +433,10 @@ def open(
     """
     if mode not in ("r", "a", "w"):
         raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")
-    backend = ZarrStoreBackend(uri) if isinstance(uri, ZarrStore) else connect(uri, storage_options,
-                                                                                read_only=mode == "r")
-    return Store(backend, mode=mode, **options)
+    try:
+        backend = ZarrStoreBackend(uri) if isinstance(uri, ZarrStore) else connect(uri, storage_options,
+                                                                                    read_only=mode == "r")
+        return Store(backend, mode=mode, **options)
+    except AmberError as e:
+        # the message says what is wrong; the frames of zarr's sync machinery beneath it do not
+        raise e.with_traceback(None)

@@ -1,8 +1,8 @@
 """Writes the small reference store of the on-disk format (docs/FORMAT.md).
 
-``python tests/make_format_fixture.py tests/data/format-v8`` made the newest committed copy
-(``format-v1`` to ``-v7`` were made by the code of their versions, with ``expected(1)`` to
-``expected(7)``); the tests read every
+``python tests/make_format_fixture.py tests/data/format-v9`` made the newest committed copy
+(``format-v1`` to ``-v8`` were made by the code of their versions, with ``expected(1)`` to
+``expected(8)``); the tests read every
 committed copy back with the current code, so a change that breaks old stores fails CI, and
 also read back what this script writes today. Never edit a committed copy by hand; when the
 format version changes, add a new ``format-vN`` directory and keep the old ones.
@@ -10,7 +10,9 @@ format version changes, add a new ``format-vN`` directory and keep the old ones.
 
 from __future__ import annotations
 
+import os
 import pathlib
+import socket
 import sys
 from collections import OrderedDict
 
@@ -113,6 +115,51 @@ def expected(version: int = 8) -> dict[int, dict]:
     return states
 
 
+def sharded_expected() -> dict[int, dict]:
+    """Version 9: steps 4 and 5, saved through torch.distributed.checkpoint from 2 ranks (its
+    layout recorded as JSON): tensors sharded by rows and by columns, a replicated one, an
+    optimizer state, a list of tensors, values; step 5 changes only rank 1's rows of model/w."""
+    w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
+    states = {}
+    for step in (4, 5):
+        w = w.clone()
+        if step == 5:
+            w[4] = -1.5
+        states[step] = {
+            "model": {"w": w, "emb": torch.linspace(-3, 3, 24).reshape(4, 6).to(torch.bfloat16),
+                      "bias": torch.ones(5)},
+            "optim": {"state": {"w": {"step": torch.tensor(float(step)), "exp_avg": w / 10}},
+                      "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": ["w"]}]},
+            "layers": [torch.full((3,), 2.0), torch.arange(4)],
+            "step": step,
+        }
+    return states
+
+
+def _sharded_saves(rank: int, path: str, port: int) -> None:
+    """One of the 2 ranks that save :func:`sharded_expected` (``torch.multiprocessing.spawn``)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from amber_store.dcp import AmberStorageWriter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    for step, state in sharded_expected().items():
+        placed = {**state, "model": {"w": distribute_tensor(state["model"]["w"], mesh, [Shard(0)]),
+                                     "emb": distribute_tensor(state["model"]["emb"], mesh, [Shard(1)]),
+                                     "bias": distribute_tensor(state["model"]["bias"], mesh, [Replicate()])},
+                  "optim": {**state["optim"], "state": {"w": {
+                      "step": state["optim"]["state"]["w"]["step"],
+                      "exp_avg": distribute_tensor(state["optim"]["state"]["w"]["exp_avg"], mesh, [Shard(0)])}}}}
+        dcp.save(placed, storage_writer=AmberStorageWriter(path, step=step, chunk_bytes=64, pack_threshold=160,
+                                                            codec=lossy_policy(), base_policy="chain"))
+    dist.destroy_process_group()
+
+
 def write(path: str) -> None:
     import amber_store as amber
     from amber_store.codecs import ans as entropy
@@ -129,6 +176,11 @@ def write(path: str) -> None:
             store.save(step, state)
     finally:
         entropy._LAYOUT_MIN_CODES = floor
+    store.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_sharded_saves, args=(path, port), nprocs=2)
 
 
 if __name__ == "__main__":

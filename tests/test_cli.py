@@ -33,6 +33,13 @@ def filled(tmp_path: Path) -> Path:
     return uri
 
 
+def test_long_commands_draw_no_progress_bars_into_a_pipe(filled, tmp_path):
+    torch.save({"w": torch.randn(256, 256)}, tmp_path / "in.pt")
+    for args in (("verify", str(filled)), ("import", str(filled), "100", str(tmp_path / "in.pt"))):
+        out = run(*args)  # stderr is a pipe here
+        assert out.returncode == 0 and out.stderr == "", (args, out.stderr)
+
+
 def test_ls_info_du_list_steps_and_bytes_as_text_and_json(filled):
     out = run("ls", str(filled))
     assert out.returncode == 0, out.stderr
@@ -125,6 +132,8 @@ def test_ls_shows_times_pins_and_no_ratio_for_a_step_that_stored_nothing(tmp_pat
     text = run("ls", str(tmp_path / "ckpt")).stdout.splitlines()
     assert text[1].rstrip().endswith("first") and " - " in text[2]
     assert json.loads(run("pins", str(tmp_path / "ckpt"), "--json").stdout) == {"first": 1}
+    run("pin", str(tmp_path / "ckpt"), "first")  # unpinned
+    assert run("pins", str(tmp_path / "ckpt")).stdout == "no pins\n"
 
 
 def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):

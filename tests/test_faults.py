@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import traceback
 
 import pytest
 import torch
@@ -203,6 +204,24 @@ def test_wrong_uris_fail_at_open_with_a_clear_error(tmp_path):
         amber.open(tmp_path / "missing", mode="r")
     with pytest.raises(ValueError, match="mode"):
         amber.open(tmp_path / "x", mode="rw")
+
+
+def test_opening_what_is_not_a_store_raises_from_one_frame_and_says_what_is_there(tmp_path):
+    with pytest.raises(amber.NotAnAmberStoreError, match="nothing to read") as missing:
+        amber.open(tmp_path / "missing", mode="r")
+    frames = traceback.extract_tb(missing.value.__traceback__)
+    assert [f.name for f in frames] == ["test_opening_what_is_not_a_store_raises_from_one_frame_and_says_what_is_there",
+                                        "open"]  # not zarr's sync machinery beneath
+    files = tmp_path / "files"
+    files.mkdir()
+    torch.save({"x": torch.ones(1)}, files / "model.pt")
+    for mode in ("r", "a"):
+        with pytest.raises(amber.NotAnAmberStoreError,
+                           match=r"checkpoint files \(model.pt\): save one into a store with `amber-store import"):
+            amber.open(files, mode=mode)
+    (files / ".metadata").write_bytes(b"")
+    with pytest.raises(amber.NotAnAmberStoreError, match="a torch.distributed.checkpoint directory"):
+        amber.open(files, mode="r")
 
 
 def test_foreign_data_is_never_written_into_or_wiped(tmp_path):

@@ -6,24 +6,28 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import zarr
 
 import amber_store as amber
+import dcp_workers
+from amber_store.dcp import AmberStorageReader
 from amber_store.codecs import ans as entropy
 from amber_store import format as fmt
 from conftest import assert_bit_equal, assert_tree_bit_equal
-from make_format_fixture import expected, write
+from make_format_fixture import expected, sharded_expected, write
 
 DATA = Path(__file__).parent / "data"
 
 
 def check_reference_store(path: Path, version: int) -> None:
     store = amber.open(path, mode="r")
-    assert store.steps() == [1, 2, 3]
+    assert store.steps() == [1, 2, 3] + ([4, 5] if version >= 9 else [])
     assert [store.manifest(s).kind for s in (1, 2, 3)] == ["full", "delta", "delta"]
     assert {store.manifest(s).format_version for s in (1, 2, 3)} == {version}
     for step, state in expected(version).items():
@@ -73,9 +77,31 @@ def check_reference_store(path: Path, version: int) -> None:
     if version >= 8:
         entries = store.manifest(3).tensors
         assert entries["lossy/fine"].index is not None and entries["lossy/odd"].pack is not None
+    if version >= 9:
+        check_sharded_steps(path, store)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7, 8])
+def check_sharded_steps(path: Path, store: amber.Store) -> None:
+    """Steps 4 and 5, saved through DCP from 2 ranks: one state, and what dcp.load plans with."""
+    for step, state in sharded_expected().items():
+        m = store.manifest(step)
+        assert m.format_version == 9 and set(m.extra["dcp"]) == {"state"}  # no pickled metadata
+        assert_tree_bit_equal(store.load(step, lazy=False), state)
+        lazy = store.load(step)
+        assert "shards=2" in repr(lazy["model"]["w"]) and "shards=2" in repr(lazy["model"]["emb"])
+        assert_bit_equal(lazy["model"]["w"][2:5, 1:3], state["model"]["w"][2:5, 1:3])  # across the shards
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+                  "optim": {"state": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(6, 8)}}}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process
+            dcp.load(target, storage_reader=AmberStorageReader(str(path), step=step))
+        assert_tree_bit_equal(target["model"], state["model"])
+        assert_tree_bit_equal(target["optim"]["state"], state["optim"]["state"])
+    entries = store.manifest(5).tensors
+    assert entries["model.w/3_0"].encoding == "diff" and entries["model.w/0_0"].encoding == "same"
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7, 8, 9])
 def test_every_committed_format_version_reads_back_with_the_current_code(tmp_path, version):
     copy = tmp_path / f"v{version}"
     shutil.copytree(DATA / f"format-v{version}", copy)  # reads need no write access; keep the fixture pristine
@@ -83,7 +109,7 @@ def test_every_committed_format_version_reads_back_with_the_current_code(tmp_pat
 
 
 def test_the_newest_fixture_holds_codes_stored_as_nibbles(tmp_path, monkeypatch):
-    # version 8's layout must be in the committed store, or no test would freeze how it reads
+    # version 8's layout must be in the newest committed store, or no test would freeze how it reads
     decoded = []
     real = entropy._nibbles_decode
 
@@ -92,8 +118,8 @@ def test_the_newest_fixture_holds_codes_stored_as_nibbles(tmp_path, monkeypatch)
         return real(raw, n)
 
     monkeypatch.setattr(entropy, "_nibbles_decode", spy)
-    shutil.copytree(DATA / "format-v8", tmp_path / "v8")
-    amber.open(tmp_path / "v8", mode="r").load(2, lazy=False)
+    shutil.copytree(DATA / "format-v9", tmp_path / "v9")
+    amber.open(tmp_path / "v9", mode="r").load(2, lazy=False)
     assert sorted(decoded) == [16, 16, 16, 16, 39]  # lossy/fine's four chunks, lossy/odd (packed)
 
 
@@ -173,6 +199,30 @@ def test_a_zarr_hierarchy_that_is_not_amber_store_is_refused(tmp_path, bad):
         json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {fmt.ROOT_ATTR: json.loads(bad)}}))
     with pytest.raises(amber.NotAnAmberStoreError):
         amber.open(tmp_path / "z", mode="r")
+
+
+def test_a_format_8_dcp_store_opens_as_its_items_loads_through_dcp_and_keeps_doing_so_after_gc(tmp_path):
+    # written from 2 ranks by `tests/dcp_workers.py save` with the code of format 8: DCP's
+    # Metadata pickled beside each step, the manifest's tree its items
+    copy = tmp_path / "dcp-v8"
+    shutil.copytree(DATA / "dcp-v8", copy)
+    assert amber.open(copy, mode="r").steps() == [0, 1]
+    items = amber.open(copy, mode="r").load(1, lazy=False)
+    assert sorted(items) == ["bias/0", "emb/0_0", "emb/0_16", "meta.lr/bytes", "meta.version/bytes", "w/0_0", "w/5_0"]
+
+    def dcp_loads(step: int, version: int) -> None:
+        want = dcp_workers.expected(version)
+        full = {k: torch.zeros_like(v) for k, v in want.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process
+            dcp.load(full, storage_reader=AmberStorageReader(str(copy), step=step))
+        assert_tree_bit_equal(full, want)
+
+    dcp_loads(0, 1)
+    dcp_loads(1, 2)
+    report = amber.open(copy).gc(keep_last=1)  # step 1 folded off step 0: its pickled metadata stays
+    assert (report.delete, report.rewrite) == ([0], [1])
+    dcp_loads(1, 2)
 
 
 @pytest.mark.parametrize("version", [1, 2])
