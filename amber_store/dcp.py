@@ -238,17 +238,18 @@ class AmberStorageWriter(StorageWriter):
         assert decision is not None, "finish() before prepare_global_plan()"
         t0 = time.perf_counter()
         entries: dict[str, TensorEntry] = {}
+        keys: dict[tuple[str, tuple[int, ...]], str] = {}
         written = Written()
         for rank_results in results:
             for r in rank_results:
-                entries[r.storage_data["key"]] = TensorEntry(**r.storage_data["entry"])
+                key = r.storage_data["key"]
+                entries[key] = TensorEntry(**r.storage_data["entry"])
+                keys[r.index.fqn, tuple(r.index.offset or ())] = key
                 written.packs.update(r.storage_data.get("packs", {}))
                 written.arrays.update(r.storage_data.get("arrays", {}))
                 written.keys.extend(r.storage_data.get("keys", []))
         written.entries = dict(sorted(entries.items()))
-        layout = state_layout(metadata)
-        if set(layout.names()) != set(entries):
-            raise AssertionError(f"{held.store.uri}: step {decision.step}: the state's items and the ranks' writes differ")
+        layout = state_layout(metadata, keys)
         created = sync(writer.seal(decision, written))
         # DCP's Metadata is not stored: the layout says all that dcp.load plans with (metadata_of)
         extra: dict[str, Any] = {"dcp": {"state": shards.to_json(layout)}}
@@ -280,10 +281,11 @@ class _Leaf:
         self.name = name
 
 
-def state_layout(metadata: Metadata) -> shards.Layout:
+def state_layout(metadata: Metadata, keys: dict[tuple[str, tuple[int, ...]], str]) -> shards.Layout:
     """How the items of a save make the state the ranks passed to ``dcp.save``: DCP's flattened
     keys unflattened as DCP's own ``unflatten_state_dict`` does (``planner_data``), each tensor
-    with its global shape and shards, each other value with its item."""
+    with its global shape and shards, each other value with its item. ``keys``: the item key
+    the ranks wrote for each (fqn, offset) (a value's offset is empty)."""
     saved = metadata.state_dict_metadata
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     order = _state_order(metadata)
@@ -296,12 +298,10 @@ def state_layout(metadata: Metadata) -> shards.Layout:
         name = "/".join(fmt.escape_segment(p) for p in paths[fqn])
         leaves[fqn] = _Leaf(name)
         if isinstance(md, TensorStorageMetadata):
-            tensors[name] = shards.ShardedTensor(
-                fmt.dtype_name(md.properties.dtype), tuple(md.size),
-                tuple((tuple(c.offsets), item_key(MetadataIndex(fqn, c.offsets), WriteItemType.SHARD))
-                      for c in md.chunks))
+            tensors[name] = shards.ShardedTensor(fmt.dtype_name(md.properties.dtype), tuple(md.size), tuple(
+                (offset, keys[fqn, offset]) for offset in (tuple(c.offsets) for c in md.chunks)))
         else:
-            values[name] = item_key(MetadataIndex(fqn), WriteItemType.BYTE_IO)
+            values[name] = keys[fqn, ()]
 
     def node(obj: Any) -> dict[str, Any]:
         if isinstance(obj, _Leaf):

@@ -45,23 +45,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # --- one rank ------------------------------------------------------------------------------
 
-def timed(cls: type) -> type:
-    """``cls`` with its coordinator's storage work timed (rank 0 calls both methods)."""
+def timed(cls: type, profile: Any = None) -> type:
+    """``cls`` with its coordinator's storage work timed (rank 0 calls both methods), and run
+    under ``profile`` (a cProfile.Profile) if given."""
 
     class Timed(cls):  # type: ignore[misc, valid-type]
         coordinator = 0.0
 
         def prepare_global_plan(self, plans: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return super().prepare_global_plan(plans)
-            finally:
-                Timed.coordinator += time.perf_counter() - t0
+            return self._timed(super().prepare_global_plan, plans)
 
         def finish(self, metadata: Any, results: Any) -> None:
+            self._timed(super().finish, metadata, results)
+
+        def _timed(self, work: Any, *args: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                super().finish(metadata, results)
+                return work(*args) if profile is None else profile.runcall(work, *args)
             finally:
                 Timed.coordinator += time.perf_counter() - t0
 
@@ -120,7 +120,12 @@ def rank_main(cfg: dict[str, Any]) -> None:
     fs, _ = fsspec.url_to_fs(cfg["root"], **(opts or {}))
     amber_uri, peer_root = f"{cfg['root']}/amber", f"{cfg['root']}/peer"
     PeerWriter, PeerReader = peer(cfg["peer"])
-    Amber, Peer = timed(AmberStorageWriter), timed(PeerWriter)
+    profile = None
+    if cfg.get("profile") and rank == 0:
+        import cProfile
+
+        profile = cProfile.Profile()
+    Amber, Peer = timed(AmberStorageWriter, profile), timed(PeerWriter)
     records: list[dict[str, Any]] = []
     for s in range(cfg["saves"]):
         if s:
@@ -169,6 +174,8 @@ def rank_main(cfg: dict[str, Any]) -> None:
             records.append({"writer": name, "load": last, "seconds": seconds})
     if rank == 0:
         Path(cfg["out"]).write_text(json.dumps(records))
+        if profile is not None:
+            profile.dump_stats(cfg["profile"])
     dist.barrier()
     dist.destroy_process_group()
 
@@ -242,20 +249,22 @@ def model_1024(measured: dict[tuple[str, int], dict[str, Any]], tensors: int, wo
         rows.append([w, f"{per_item:.0f} B", f"{per_item * big_items / 1e9:.2f} GB",
                      f"{coord_per_item * 1e3:.1f} us", f"{coord_per_item * big_items / 1e3:.0f} s",
                      f"{m['objects']:.0f}", ""])
-    amber_objects = local["amber"]["objects"]
-    per_rank = (amber_objects - 3) / world  # a pack (and large items) per rank; + zarr.json, metadata, manifest
-    rows[0][6] = f"{per_rank * ranks + 3:,.0f}"
-    rows[1][6] = f"{ranks + 1:,}"  # one file per rank + .metadata
+    # amber: each rank's objects (its pack, its large items), then the group's zarr.json and the
+    # manifest; the peer: a file per rank and .metadata
+    per_rank = (local["amber"]["objects"] - 2) / world
+    rows[0][6] = f"{per_rank * ranks + 2:,.0f}"
+    rows[1][6] = f"{(local['peer']['objects'] - 1) / world * ranks + 1:,.0f}"
     lines.append(table(["writer", "metadata per item", "metadata per step (1,024 x 10k)", "coordinator per item",
                         "coordinator per step (1,024 x 10k)", f"objects per step ({world} ranks)",
                         "objects per step (1,024 ranks)"], rows))
     lines += ["", "Requests per resume (1,024 ranks, each reading its Shard(1) slice of every tensor): every rank "
-              "GETs the manifest and the DCP metadata (each the size above), then, for amber-store, one ranged "
-              "GET per stored chunk it overlaps per layer of the chain, a pack read whole once per session: with "
-              "every rank's items packed (small shards), each rank reads every rank's pack of every layer, "
-              f"1,024 x 1,024 x layers = {1024 * 1024:,} x layers GETs in all; DCP's peer reads each rank file's "
-              "byte ranges, also up to 1,024 x 1,024 GETs. The coordinator's time goes to building and writing "
-              "that metadata (per item: a TensorEntry, a layout shard, a pickled chunk), linear in items."]
+              "GETs the step's metadata once (amber-store: the manifest, JSON; DCP: .metadata, a pickle), each "
+              "the size above; then amber-store range-reads each stored chunk a rank overlaps, per layer of the "
+              "chain, and reads a pack whole once per load: with small shards packed, every rank reads every "
+              f"rank's pack of every layer, 1,024 x 1,024 = {1024 * 1024:,} GETs per layer in all (DCP's peer: "
+              "byte ranges of every rank's file, up to as many). The metadata is read 1,024 times: "
+              "1,024 x the size above per resume. Coordinator per item: linear in items at the measured "
+              "rate; where it goes is in docs/SCALE.md."]
     return "\n".join(lines)
 
 
@@ -270,6 +279,7 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--gap", type=int, default=3, help="AdamW steps between saves")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
+    p.add_argument("--profile", type=Path, help="cProfile stats of amber-store's coordinator work (rank 0) here")
     args = p.parse_args()
     if args.rank_config:
         rank_main(json.loads(args.rank_config))
@@ -278,7 +288,8 @@ def main() -> None:
     from backends.s3servers import SeaweedFS
 
     mb = args.tensors * args.rows * args.cols * 4 * 3 / 1e6
-    base = {"tensors": args.tensors, "rows": args.rows, "cols": args.cols, "saves": args.saves, "gap": args.gap}
+    base = {"tensors": args.tensors, "rows": args.rows, "cols": args.cols, "saves": args.saves, "gap": args.gap,
+            "profile": str(args.profile) if args.profile else None}
     measured: dict[tuple[str, int], dict[str, Any]] = {}
     tmp = Path(tempfile.mkdtemp(prefix="amber-dcp-scale-"))
     try:

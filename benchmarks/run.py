@@ -191,6 +191,23 @@ def verdict(value: float, goal: float, higher_is_better: bool = True) -> str:
     return "met" if met else "**not met**"
 
 
+def dcp_goal(scale: dict) -> tuple[int, str, bool]:
+    """The largest world measured, its ratios against DCP's own writer, and whether they meet
+    the goals (saves <= 1.2x, resharded load <= 1.5x, delta bytes <= 0.7x)."""
+    top = max(int(k.rsplit("-", 1)[1]) for k in scale)
+    runs = {loc: scale[f"{loc}-{top}"] for loc in ("local", "s3") if f"{loc}-{top}" in scale}
+
+    def ratio(m: dict, key: str) -> float:
+        return m["amber"][key] / m["peer"][key]
+
+    text = "; ".join(f"{'SeaweedFS' if loc == 's3' else loc}: save full {ratio(m, 'full_s'):.2f}x, delta "
+                     f"{ratio(m, 'delta_s'):.2f}x, load {ratio(m, 'load_s'):.2f}x, delta bytes "
+                     f"{ratio(m, 'delta_bytes'):.2f}x" for loc, m in runs.items())
+    ok = all(max(ratio(m, "full_s"), ratio(m, "delta_s")) <= 1.2 and ratio(m, "load_s") <= 1.5
+             and ratio(m, "delta_bytes") <= 0.7 for m in runs.values())
+    return top, text, ok
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -211,6 +228,7 @@ def main() -> None:
                                       else ["--kills", "10", "--freezes", "3", "--races", "10"]))
     load_md, _ = run("load_bench", "--mb", "32" if args.quick else "64")
     dcp_md, _ = run("dcp_bench", *(["--width", "128", "--layers", "2", "--warmup", "30"] if args.quick else []))
+    scale_md, scale = run("dcp_scale", *(["--worlds", "2", "4", "--tensors", "300"] if args.quick else []))
     codecs_md, codecs = run("codecs_bench", "--mb", "32" if args.quick else "64")
     lossy_md, lossy_data = run("lossy", *(["--quick"] if args.quick else []))
     seeds_md, seeds = run("resume_seeds", *(["--steps", "100", "--resume-steps", "60", "--width", "128", "--layers", "2",
@@ -235,6 +253,7 @@ def main() -> None:
     best = max(within, key=lambda pt: pt["ratio"], default=preset)
     noise = max(abs(x) for x in lossy_data["noise_floor_pct"])
     gpt, small, mods = layout["results"]["gpt"], layout["results"]["small"], layout["modules"]
+    dcp_top, dcp_text, dcp_ok = dcp_goal(scale)
     memcpy = codecs["gbps"]["copy (clone, memcpy)"]
     encode = {k: v / memcpy for k, v in codecs["gbps"].items() if not k.startswith(("copy", "diff", "xor"))}
     slowest, fastest = min(encode, key=encode.get), max(encode, key=encode.get)
@@ -258,6 +277,7 @@ reports (with their own commands) are in `benchmarks/results/*.md`, raw figures 
 | `codec="lossy"` delta step >= {GOALS['lossy']:.0f}x smaller than torch.save ({lossy_data['params'] / 1e6:.1f}M params, every {every} steps) | {preset['ratio']:.1f}x (best within {GOALS['fidelity_pct']:.0f}%: {best['ratio']:.1f}x, {best['codec']}) | {verdict(preset['ratio'], GOALS['lossy'])} |
 | `codec="lossy"` resume within {GOALS['fidelity_pct']:.0f}% of the exact resume's loss after {lossy_data['args']['resume_steps']} steps | {preset['loss_change_pct']:+.2f}% (noise floor +-{noise:.2f}%; on {len(seeds['seeds'])} data streams {spread(seeds, f'lossy preset, every {every}')}) | {verdict(abs(preset['loss_change_pct']), GOALS['fidelity_pct'], higher_is_better=False)} |
 | save_async stall <= {GOALS['stall']}x a bare device-to-host copy | {f['stall_async_vs_copy']:.2f}x | {verdict(f['stall_async_vs_copy'], GOALS['stall'], higher_is_better=False)} |
+| DCP at {dcp_top} ranks against DCP's own writer (FileSystemWriter; FsspecWriter on SeaweedFS): saves <= 1.2x its time, resharded load <= 1.5x, delta steps <= 0.7x its bytes | {dcp_text} | {'met' if dcp_ok else '**not met**'} |
 | each lossy codec encodes at >= {GOALS['lossy_encode']}x memcpy ({codecs['mb']} MB, this CPU) | {sum(r >= GOALS['lossy_encode'] for r in encode.values())} of {len(encode)}: {fastest} {encode[fastest]:.2f}x ... {slowest} {encode[slowest]:.2f}x (encode throughput, below) | {verdict(encode[slowest], GOALS['lossy_encode'])} |
 
 Where amber-store loses:
@@ -332,6 +352,12 @@ Where amber-store loses:
 ## torch.distributed.checkpoint
 
 {dcp_md}
+
+## torch.distributed.checkpoint at 2, 4 and 8 ranks, and a 1,024-rank model
+
+`python benchmarks/dcp_scale.py` (see docs/SCALE.md for the model and where the coordinator's time goes)
+
+{scale_md}
 
 ## Lossy codecs: bytes against resumed loss (Pareto)
 
