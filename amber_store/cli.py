@@ -134,8 +134,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for k, e in r.items():
                 print(f"FAIL step {s} tensor {k}: {e}")
         tensors = sum(len(r) for r in report.values())
-        print(f"{'OK' if not bad else 'DAMAGED'}: {len(report)} step(s), {tensors} tensor(s) checked, "
-              f"{sum(len(r) for r in bad.values())} failed")
+        damaged = sum(len(r) for r in bad.values())
+        print(f"{'OK' if not bad else 'DAMAGED'}: {len(report)} step(s), {tensors} tensor(s) checked: "
+              f"{tensors - damaged} intact, {damaged} damaged")
     return 1 if bad else 0
 
 

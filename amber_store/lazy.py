@@ -302,8 +302,12 @@ def _lazy_leaves(obj: Any) -> Iterator[LazyTensor]:
             yield from _lazy_leaves(v)
 
 
-def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
-    """Replace every :class:`LazyTensor` in a tree by its tensor; containers become plain."""
+def materialize(obj: Any, device: torch.device | str | None = None, *, damaged: dict[str, str] | None = None) -> Any:
+    """Replace every :class:`LazyTensor` in a tree by its tensor; containers become plain.
+
+    ``damaged``: if given, a tensor whose stored data is damaged (:class:`CorruptDataError`)
+    is left out (its dict key dropped, its list or tuple item ``None``) and recorded here, key
+    -> error, instead of failing the whole read."""
     leaves = list({id(lt): lt for lt in _lazy_leaves(obj)}.values())  # tied weights: read once
 
     target = None if device is None else torch.device(device)
@@ -311,13 +315,19 @@ def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
     # the link's transfers overlap the decoding of the rest instead of following all of it.
     moving = target is not None and target.type != "cpu"
 
-    async def read_all() -> list[torch.Tensor]:
+    async def read_all() -> list[torch.Tensor | None]:
         sem = asyncio.Semaphore(_MAX_CONCURRENT_TENSORS)
         session = ReadSession()
 
-        async def one(lt: LazyTensor) -> torch.Tensor:
+        async def one(lt: LazyTensor) -> torch.Tensor | None:
             async with sem:
-                t = await lt._read(Ellipsis, session)
+                try:
+                    t = await lt._read(Ellipsis, session)
+                except CorruptDataError as e:
+                    if damaged is None:
+                        raise
+                    damaged[lt.key] = str(e)
+                    return None
             if moving:
                 t = await asyncio.get_running_loop().run_in_executor(_transfer_thread(), t.to, target)
             return t
@@ -332,8 +342,11 @@ def materialize(obj: Any, device: torch.device | str | None = None) -> Any:
         if isinstance(o, (LazyStateDict, dict)):
             # copy.copy keeps the saved mapping type and an OrderedDict's _metadata
             out = copy.copy(o._items if isinstance(o, LazyStateDict) else o)
-            for k in out:
-                out[k] = rebuild(out[k])
+            for k in list(out):
+                if isinstance(out[k], LazyTensor) and values[id(out[k])] is None:
+                    del out[k]  # damaged, left out
+                else:
+                    out[k] = rebuild(out[k])
             return out
         if type(o) in _SEQUENCES:
             return type(o)(rebuild(v) for v in o)

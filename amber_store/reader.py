@@ -39,10 +39,10 @@ WHOLE_OBJECT_BYTES = 64 << 20
 
 class ReadSession:
     """Shared state of one multi-tensor read: whole objects instead of ranges, and each
-    step's pack stream fetched and decompressed once."""
+    step's pack stream fetched and decompressed once (with its damaged chunks, if any)."""
 
     def __init__(self) -> None:
-        self.packs: dict[tuple[int, str], asyncio.Future[np.ndarray]] = {}
+        self.packs: dict[tuple[int, str], asyncio.Future[tuple[np.ndarray | None, set[int]]]] = {}
 
 
 class Reader:
@@ -199,7 +199,8 @@ class Reader:
     # --- packs --------------------------------------------------------------------------
 
     async def _pack_payload(self, step: int, entry: TensorEntry, key: str, session: ReadSession | None) -> Any:
-        """The uncompressed payload of a packed tensor's layer (``None``: nothing stored)."""
+        """The uncompressed payload of a packed tensor's layer (``None``: nothing stored). A
+        damaged pack chunk fails only the tensors with bytes in it, each under its own key."""
         if entry.pack is None:
             raise self._corrupt(step, key, "a packed tensor's chain holds an unpacked layer")
         name, offset, length = entry.pack
@@ -209,44 +210,46 @@ class Reader:
         info = m.packs.get(name)
         if info is None:
             raise self._corrupt(step, key, f"pack {name!r} is not in the manifest")
-        if session is not None:
+        size = info["chunk"]
+        first, last = offset // size, (offset + length - 1) // size
+        if session is not None:  # the whole stream, fetched and decompressed once for all its tensors
             fut = session.packs.get((step, name))
             if fut is None:
-                fut = session.packs[(step, name)] = asyncio.ensure_future(self._pack_stream(m, name, key))
-            stream = await fut
-            return stream[offset: offset + length]
-        first, last = offset // info["chunk"], (offset + length - 1) // info["chunk"]
-        part = await self._pack_chunks(m, name, key, first, last + 1)
-        start = offset - first * info["chunk"]
-        return part[start: start + length]
+                fut = session.packs[(step, name)] = asyncio.ensure_future(
+                    self._pack_chunks(m, name, 0, len(info["index"])))
+            data, failed = await fut
+            start = offset
+        else:
+            data, failed = await self._pack_chunks(m, name, first, last + 1)
+            start = offset - first * size
+        if data is None:
+            raise self._corrupt(step, key, f"pack object {info['array']} is missing")
+        bad = [i for i in range(first, last + 1) if i in failed]
+        if bad:
+            raise self._corrupt(step, key, f"pack {name!r} chunk {bad[0]} failed its checksum or decoding")
+        return data[start: start + length]
 
-    async def _pack_stream(self, m: Manifest, name: str, key: str) -> np.ndarray:
-        return await self._pack_chunks(m, name, key, 0, len(m.packs[name]["index"]))
-
-    async def _pack_chunks(self, m: Manifest, name: str, key: str, first: int, stop: int) -> np.ndarray:
-        """Pack stream bytes of inner chunks ``first..stop-1`` (one ranged read)."""
+    async def _pack_chunks(self, m: Manifest, name: str, first: int, stop: int) -> tuple[np.ndarray | None, set[int]]:
+        """Pack stream bytes of inner chunks ``first..stop-1`` (one ranged read), and which of
+        them failed their checksum or decoding (``None``: the pack object is missing)."""
         info = m.packs[name]
         index = info["index"][first:stop]
         lo, hi = index[0][0], index[-1][0] + index[-1][1]
         whole = first == 0 and stop == len(info["index"])
         raw = await self.history.backend.get(fmt.shard_key(info["array"], 1), None if whole else RangeByteRequest(lo, hi))
-        # A packed tensor is a single chunk of its own grid.
-        chunk = (0,) * len(m.tensors[key].shape) if key in m.tensors else None
         if raw is None:
-            raise self._corrupt(m.step, key, f"pack object {info['array']} is missing", chunk)
+            return None, set()
         data = raw.as_numpy_array()
         size = info["chunk"]
         out = np.empty((stop - first) * size, dtype=np.uint8)
+        failed: set[int] = set()
 
         def one(i: int) -> None:
             o, n = index[i]
             o -= lo
-            target = out[i * size: (i + 1) * size]
-            if decompress(data[o: o + n], target) is None:
-                raise self._corrupt(m.step, key, f"pack {name!r} chunk {first + i} failed its checksum or decoding",
-                                    chunk)
+            if decompress(data[o: o + n], out[i * size: (i + 1) * size]) is None:
+                failed.add(first + i)
 
         loop = asyncio.get_running_loop()
         await gather([loop.run_in_executor(codec_pool(), one, i) for i in range(len(index))])
-        return out
-
+        return out, failed

@@ -357,7 +357,7 @@ class Store:
     # --- loading ------------------------------------------------------------------------
 
     def load(self, step: int | None = None, *, lazy: bool = True, device: torch.device | str | None = None,
-             tree: dict[str, Any] | None = None) -> Any:
+             tree: dict[str, Any] | None = None, strict: bool = True) -> Any:
         """Open a committed step (``None``: the latest).
 
         Lazy (default): a structure mirroring the saved state dict whose dicts are
@@ -370,7 +370,9 @@ class Store:
         (:func:`amber_store.format.flatten`'s, as a framework's pointer file keeps one) naming
         tensors of the step, in place of the step's own tree;
         ``tree=amber_store.shards.items_tree(store.manifest(step))`` opens a sharded step as its
-        stored items.
+        stored items. ``strict=False`` (with ``lazy=False``): tensors whose stored data is
+        damaged are left out, and a warning names them, instead of failing the whole load
+        (``amber-store verify`` says which chunks).
         """
         if step is None:
             step = self.latest()
@@ -391,7 +393,15 @@ class Store:
                 (offset, LazyTensor(self.reader, step, item, m.tensors[item])) for offset, item in t.shards])
 
         lazy_sd = fmt.unflatten(m.tree if tree is None else tree, leaf, LazyStateDict)
-        return lazy_sd if lazy else materialize(lazy_sd, device)
+        if lazy:
+            return lazy_sd
+        damaged: dict[str, str] | None = None if strict else {}
+        state = materialize(lazy_sd, device, damaged=damaged)
+        if damaged:
+            warnings.warn(f"{self.uri}: step {step}: left out {len(damaged)} damaged tensor(s): "
+                          f"{', '.join(sorted(damaged))}; `amber-store verify` names their chunks",
+                          RuntimeWarning, stacklevel=2)
+        return state
 
     async def _values(self, m: Manifest, layout: shards.Layout) -> dict[str, Any]:
         """The Python values of a sharded step, read now (each stored object once)."""

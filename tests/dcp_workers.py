@@ -7,6 +7,7 @@ test; WORLD_SIZE=1 without MASTER_PORT means a single process without a process 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
 import sys
@@ -86,8 +87,8 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = "MASTER_PORT" in os.environ
     mesh = None
-    if distributed:
-        dist.init_process_group("gloo")
+    if distributed:  # a collective that never completes fails in a minute, naming itself in stderr
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
@@ -205,11 +206,11 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 if phase == "train":
-                    manager.maybe_save(step, model=model, optimizer=optimizer, extra={"data_pos": step * 8})
-                    if step == 4:
+                    if step == 4:  # (gathered before the save, not beside it)
                         at_4 = state()
                         if rank == 0:
                             torch.save(at_4, out / "state_4.pt")
+                    manager.maybe_save(step, model=model, optimizer=optimizer, extra={"data_pos": step * 8})
             manager.close()
             final = state()
             if rank == 0:

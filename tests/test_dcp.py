@@ -344,7 +344,7 @@ def test_info_du_verify_and_export_show_a_sharded_step_as_its_tensors(fsdp_local
     lines = capsys.readouterr().out.splitlines()
     fails = [line for line in lines if line.startswith("FAIL")]
     assert len(fails) == 1 and "tensor model/0.weight: shard 'model.0.weight/128_0'" in fails[0]
-    assert lines[-1].startswith("DAMAGED") and "1 failed" in lines[-1]
+    assert lines[-1].startswith("DAMAGED") and "1 damaged" in lines[-1]
 
 
 def test_a_dcp_checkpoint_directory_imports_as_a_sharded_step_that_loads_and_reshards(fsdp_run, tmp_path, capsys):

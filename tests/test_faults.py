@@ -87,6 +87,30 @@ def test_flipped_byte_in_a_chunk_is_detected_naming_step_and_tensor(local_store,
         assert_bit_equal(reader.load(2)["t2"].materialize(), s["t2"])  # the rest still loads
 
 
+def test_damage_in_a_pack_is_reported_against_the_tensors_it_holds_and_the_rest_of_the_step_loads(local_store, tmp_path):
+    store = local_store(chunk_bytes=4096)  # 1 KiB tensors, packed: 4 to an inner pack chunk of 4 KiB
+    s = {f"t{i:02d}": torch.randn(256, generator=torch.Generator().manual_seed(i)) for i in range(20)}
+    store.save(1, s)
+    flip_stored_byte(tmp_path / "ckpt", store, 1, "t05")  # the pack's chunk 1: t04-t07
+    damaged = {"t04", "t05", "t06", "t07"}
+    reader = local_store(mode="r")
+    report = reader.verify(1)[1]
+    assert {k for k, e in report.items() if e} == damaged
+    for key in damaged:
+        assert f"tensor {key!r}" in report[key] and "pack 'pack' chunk 1 failed its checksum" in report[key]
+    with pytest.raises(amber.CorruptDataError, match="tensor 't04'"):
+        reader.load(1, lazy=False)
+    with pytest.warns(RuntimeWarning, match="left out 4 damaged tensor.s.: t04, t05, t06, t07"):
+        partial = reader.load(1, lazy=False, strict=False)
+    assert_tree_bit_equal(partial, {k: v for k, v in s.items() if k not in damaged})
+    assert_bit_equal(reader.load(1)["t08"].materialize(), s["t08"])  # and lazily, one tensor
+    out = subprocess.run([sys.executable, "-m", "amber_store.cli", "verify", str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, timeout=120)
+    fails = [line for line in out.stdout.splitlines() if line.startswith("FAIL")]
+    assert out.returncode == 1 and len(fails) == 4 and all(f"tensor {k}:" in " ".join(fails) for k in damaged)
+    assert out.stdout.splitlines()[-1] == "DAMAGED: 1 step(s), 20 tensor(s) checked: 16 intact, 4 damaged"
+
+
 def test_a_chunk_swapped_for_another_valid_one_fails_the_materialized_checksum(local_store, tmp_path):
     store = local_store(pack_threshold=0)
     s = {"t0": torch.full((32, 32), 0.5), "t1": torch.full((32, 32), -2.0)}  # equal-sized objects
