@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 
 from . import retention
-from .errors import AsyncSaveError
+from .errors import AmberError, AsyncSaveError
 from .lazy import materialize
 from .store import CommitInfo, Store, open
 
@@ -77,13 +77,27 @@ class CheckpointManager:
         from . import dcp
         import torch.distributed as dist
 
-        # The store DCP saves go through in this process: one writer identity for all of them.
-        self.store = dcp._process(uri, storage_options, options).store
+        # async saves run their collectives on a group of their own (created by every rank now)
+        self._group = dist.new_group(backend="gloo") if async_save else None
         self._uri, self._storage_options, self._options = uri, storage_options, options
         self._pending: Future[Any] | None = None
         self._pending_step: int | None = None
-        # async saves run their collectives on a group of their own (created by every rank now)
-        self._group = dist.new_group(backend="gloo") if async_save else None
+        # The store DCP saves go through in this process (one writer identity for all of them).
+        # The coordinator opens it first, creating it if need be; ranks opening a new store at
+        # once would find each other's half-written root.
+        failure: list[str | None] = [None]
+        if dist.get_rank() == 0:
+            try:
+                self.store = dcp._process(uri, storage_options, options).store
+            except Exception as e:
+                failure[0] = f"{type(e).__name__}: {e}"
+                dist.broadcast_object_list(failure, src=0)
+                raise
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            raise AmberError(f"{uri}: the coordinator (rank 0) could not open the store: {failure[0]}")
+        if dist.get_rank() != 0:
+            self.store = dcp._process(uri, storage_options, options).store
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "CheckpointManager":
