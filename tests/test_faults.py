@@ -98,7 +98,7 @@ def test_damage_in_a_pack_is_reported_against_the_tensors_it_holds_and_the_rest_
     assert {k for k, e in report.items() if e} == damaged
     for key in damaged:
         assert f"tensor {key!r}" in report[key] and "pack 'pack' chunk 1 failed its checksum" in report[key]
-    with pytest.raises(amber.CorruptDataError, match="tensor 't04'"):
+    with pytest.raises(amber.CorruptDataError, match="tensor 't0[4-7]'"):  # whichever is read first
         reader.load(1, lazy=False)
     with pytest.warns(RuntimeWarning, match="left out 4 damaged tensor.s.: t04, t05, t06, t07"):
         partial = reader.load(1, lazy=False, strict=False)
