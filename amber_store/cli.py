@@ -88,7 +88,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
         print(f"{r['step']:>10} {r['kind']:>5} {base:>10} {r['created']:>19} {_human(r['nbytes_raw']):>10} "
               f"{_human(r['nbytes_stored']):>10} {ratio:>8} {r['tensors']:>7}  {','.join(r['pins'])}")
+    strays = _sync(history.stray_attempts())
+    if strays:
+        print(_strays(args, len(strays), sum(_sync(history.attempt_bytes(a.group)) for a in strays),
+                      sum(a.maybe_saving for a in strays)))
     return 0
+
+
+def _strays(args: argparse.Namespace, attempts: int, nbytes: int, young: int) -> str:
+    """A line on the data of saves that never committed, and what removes it."""
+    note = f"; {young} of them may be a save in progress (gc spares those for an hour)" if young else ""
+    return (f"uncommitted: {attempts} attempt(s) of saves that never committed hold {_human(nbytes)}, which "
+            f"`amber-store gc {args.uri}` deletes{note}")
 
 
 def _iso(t: float) -> str:
@@ -115,8 +126,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     for key, t in info["tensors"].items():
         base = "-" if t["base"] is None else t["base"]
         shards = f"  ({t['shards']} shards)" if t.get("shards", 1) > 1 else ""
+        stored = ("~" if t["packed"] else "") + _human(t["nbytes_stored"])
         print(f"{key:<48} {t['dtype']:>9} {str(tuple(t['shape'])):>16} {t['encoding']:>5} {base:>8} "
-              f"{_human(t['nbytes_stored']):>10}{shards}")
+              f"{stored:>10}{shards}")
+    if any(t["packed"] for t in info["tensors"].values()):
+        print("~: packed with the step's other small tensors, compressed together: a share of the pack by raw "
+              "size, not a measurement")
     for key, t in info["tensors"].items():
         if t["note"]:
             print(f"note: {key}: {t['note']}")
@@ -141,8 +156,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    report = _open(args, mode="a").gc(args.keep_last, args.keep_every, dry_run=args.dry_run,
-                                      grace_seconds=args.grace)
+    from .history import GRACE_SECONDS
+
+    grace = GRACE_SECONDS if args.grace is None else args.grace
+    report = _open(args, mode="a").gc(args.keep_last, args.keep_every, dry_run=args.dry_run, grace_seconds=grace)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
         return 0
@@ -152,6 +169,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     print(f"{verb} fold {len(report.rewrite)} kept step(s) off deleted ones: {report.rewrite}"
           + (f" ({_human(report.bytes_written)} written)" if not args.dry_run else ""))
     print(f"{verb} remove {len(report.orphans)} unreferenced object(s)")
+    if report.spared:
+        print(f"spared {len(report.spared)} attempt(s) younger than --grace {grace:g} s, of steps newer than the "
+              "latest: a save may still be writing them (once none runs, --grace 0 removes them)")
     return 0
 
 
@@ -212,6 +232,9 @@ def cmd_du(args: argparse.Namespace) -> int:
     print(f"on storage: {fp['objects']} objects{dirs}, {_human(fp['bytes'])} "
           f"({_human(fp['allocated'])} allocated)")
     print("by group: " + ", ".join(f"{g} {_human(b)}" for g, b in sorted(du["groups"].items())))
+    stray = du["uncommitted"]
+    if stray["attempts"]:
+        print(_strays(args, stray["attempts"], stray["bytes"], stray["maybe_saving"]))
     for step, b in du["steps"].items():
         print(f"{step:>10} {_human(b):>10}")
     return 0
@@ -262,8 +285,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep-last", type=int, help="keep the newest N steps (default: keep all, only sweep orphans)")
     sp.add_argument("--keep-every", type=int, help="also keep every step divisible by K")
     sp.add_argument("--dry-run", action="store_true", help="report what would happen, change nothing")
-    sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
-                    help="spare uncommitted data newer than the latest step younger than this (default 3600)")
+    sp.add_argument("--grace", type=float, metavar="SECONDS",
+                    help="spare uncommitted data newer than the latest step younger than this (default: an hour)")
     sp.set_defaults(func=cmd_gc)
     sp = add("rm", "delete one step; steps that read its data are folded off it first")
     sp.add_argument("step", type=int)

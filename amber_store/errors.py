@@ -6,6 +6,12 @@ catch checkpoint failures without catching unrelated bugs.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
 
 class AmberError(Exception):
     """Base class of all amber-store errors."""
@@ -83,3 +89,12 @@ class CorruptDataError(AmberError):
         naming all of them."""
         where = f"step {step}, tensor {tensor!r}" + ("" if chunk is None else f", chunk {chunk}")
         return cls(f"{uri}: {where}: {what}", step=step, tensor=tensor, chunk=chunk)
+
+
+def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn, naming the first line outside amber-store on the stack (the user's call), however
+    deep inside the library the warning arises."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import format as fmt
@@ -19,6 +21,7 @@ from . import shards
 from .errors import (ConcurrentWriterError, CorruptDataError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError,
                      StepNotFoundError, StepOrderError, StorageAccessError)
 from .format import Manifest, TensorEntry
+from .runtime import gather
 from .storage import Backend, storage_errors
 
 PINS_DIR = "pins"
@@ -70,6 +73,24 @@ def json_bytes(obj: Any) -> bytes:
 #: MB, and every full garbage collection walks them (60 steps: 78 -> 177 ms, in the middle of
 #: save_async's stall when one strikes there).
 MANIFEST_CACHE = 32
+
+
+#: an attempt group's name under ``steps/``: the step, then the attempt
+GROUP_NAME = re.compile(r"(\d{12})-[0-9a-f]+")
+#: how old an attempt of a step newer than the latest commit must be before it is taken for
+#: the remains of a dead save, rather than a save in progress (gc's ``grace_seconds``)
+GRACE_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """An attempt group no committed step uses: the data of a save that was interrupted, died
+    or lost a race (or, while ``maybe_saving``, of a save in progress)."""
+
+    group: str
+    step: int
+    #: of a step newer than the latest commit, younger than the grace period: gc spares it
+    maybe_saving: bool
 
 
 class History:
@@ -369,7 +390,9 @@ class History:
     # --- reports (metadata only) ---------------------------------------------------------
 
     async def info(self, step: int) -> dict[str, Any]:
-        """Kind, base, chain and per-tensor bytes of a committed step, as plain data."""
+        """Kind, base, chain and per-tensor bytes of a committed step, as plain data (a packed
+        tensor's ``nbytes_stored`` is its share of the pack by raw size: the pack compresses the
+        step's small tensors together)."""
         m = await self.manifest(step)
         base = await self.manifest(m.base) if m.base is not None else None
         tensors = {}
@@ -407,8 +430,9 @@ class History:
         }
 
     async def du(self) -> dict[str, Any]:
-        """Stored bytes by step and by top-level group of the state, and what the whole
-        location occupies (``storage``)."""
+        """Stored bytes by step and by top-level group of the state, in attempts no commit
+        uses (``uncommitted``: data of interrupted or dead saves, which gc removes), and what
+        the whole location occupies (``storage``)."""
         by_step: dict[int, int] = {}
         by_group: dict[str, int] = {}
         for step in await self.steps():
@@ -419,8 +443,66 @@ class History:
             for key, e in m.tensors.items():
                 group = names.get(key, key).split("/", 1)[0]
                 by_group[group] = by_group.get(group, 0) + e.stored
+        strays = await self.stray_attempts()
         return {"total": sum(by_step.values()), "steps": by_step, "groups": by_group,
+                "uncommitted": {"attempts": len(strays), "maybe_saving": sum(a.maybe_saving for a in strays),
+                                "bytes": sum([await self.attempt_bytes(a.group) for a in strays])},
                 "storage": await self.backend.footprint()}
+
+    # --- attempts no commit uses ------------------------------------------------------------
+
+    async def stray_attempts(self, grace_seconds: float = GRACE_SECONDS) -> list[Attempt]:
+        """Attempt groups under ``steps/`` that no committed step uses (one listing, the
+        manifests of the steps with more than one group, and each candidate's zarr.json: some
+        servers, SeaweedFS, keep listing a "directory" whose objects are all deleted)."""
+        steps = await self.steps()
+        latest = steps[-1] if steps else -1
+        groups: dict[int, list[str]] = {}
+        with storage_errors(self.uri, "listing the attempts"):
+            async for name in self.backend.list_dir(fmt.STEPS_DIR):
+                found = GROUP_NAME.fullmatch(name.rstrip("/"))
+                if found is not None:
+                    groups.setdefault(int(found.group(1)), []).append(f"{fmt.STEPS_DIR}/{name.rstrip('/')}")
+        committed = set(steps)
+        candidates: list[tuple[int, str]] = []
+        for step, names in sorted(groups.items()):
+            if step in committed:
+                if len(names) == 1:
+                    continue  # its own (or, folded whole, its fold's)
+                m = await self.manifest(step)
+                names = [g for g in names if g not in (m.group, m.extra.get("folded", {}).get("group"))]
+            candidates += [(step, g) for g in names]
+
+        async def attempt(step: int, group: str) -> Attempt | None:
+            created = await self.created(group)
+            if created is None:
+                return None  # nothing left of it
+            young = step > latest and (created is False or time.time() - created < grace_seconds)
+            return Attempt(group, step, young)
+
+        with storage_errors(self.uri, "reading the attempts"):
+            found = await gather(attempt(*c) for c in candidates)
+        return [a for a in found if a is not None]
+
+    async def maybe_in_progress(self, group: str, grace_seconds: float) -> bool:
+        """Whether an attempt group is younger than ``grace_seconds`` (a group without its
+        zarr.json, or without a time in it, has only just begun)."""
+        created = await self.created(group)
+        return not isinstance(created, float) or time.time() - created < grace_seconds
+
+    async def created(self, group: str) -> float | bool | None:
+        """When an attempt group was created, from its zarr.json: ``None`` without one,
+        ``False`` with one that names no time."""
+        raw = await self.backend.get(f"{group}/zarr.json")
+        if raw is None:
+            return None
+        created = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR, {}).get("created")
+        return float(created) if isinstance(created, (int, float)) else False
+
+    async def attempt_bytes(self, group: str) -> int:
+        """Bytes stored under an attempt group."""
+        with storage_errors(self.uri, f"sizing {group}"):
+            return sum([await self.backend.store.getsize(k) async for k in self.backend.list_prefix(f"{group}/")])
 
     # --- pins ---------------------------------------------------------------------------
 

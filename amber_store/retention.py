@@ -24,8 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import json
-import re
 import time
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
@@ -37,14 +35,12 @@ from zarr.core.sync import sync
 from . import format as fmt
 from .format import Manifest
 from .errors import StorageAccessError
-from .history import History
+from .history import GRACE_SECONDS, GROUP_NAME, History
 from .runtime import gather
 
 if TYPE_CHECKING:
-    from .stepwriter import StepWriter
+    from .stepwriter import Base, StepWriter
     from .writer import Writer
-
-_GROUP = re.compile(r"(\d{12})-[0-9a-f]+")
 
 
 @dataclass
@@ -59,6 +55,9 @@ class GCReport:
     bytes_written: int = 0
     seconds: float = 0.0
     orphans: list[str] = field(default_factory=list)
+    #: attempt groups left alone: of a step newer than the latest commit and younger than
+    #: ``grace_seconds``, maybe a save in progress (a smaller grace removes them)
+    spared: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -177,24 +176,27 @@ async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[i
 
 
 def gc(writer: Writer, retention: Retention | None, *, dry_run: bool = False,
-       grace_seconds: float = 3600.0) -> GCReport:
+       grace_seconds: float = GRACE_SECONDS) -> GCReport:
     steps = sync(writer.history.steps())
     return remove(writer, select(writer.history, retention, steps), steps, dry_run=dry_run,
                   grace_seconds=grace_seconds)
 
 
 def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool = False,
-           grace_seconds: float = 3600.0) -> GCReport:
+           grace_seconds: float = GRACE_SECONDS) -> GCReport:
     """Delete every step of ``steps`` not in ``keep``, folding kept steps off them first, then
     sweep unreferenced objects."""
     t0 = time.perf_counter()
     history = writer.history
     deleted = sorted(set(steps) - set(keep))
     needed = {k: sync(_deleted_deps(history, k, set(deleted))) for k in keep}
-    rewrite = [k for k in keep if needed[k]]
+    folds = {k: _to_fold(sync(history.manifest(k)), set(deleted)) for k in keep}
+    rewrite = [k for k in keep if folds[k]]
     report = GCReport(keep, deleted, rewrite, dry_run)
-    if dry_run:
-        report.orphans = sync(_unreferenced(history, keep, steps, grace_seconds))
+    if dry_run:  # what the sweep will find once the folds have replaced their steps' entries
+        kept = [_without(sync(history.manifest(k)), folds[k]) for k in keep]
+        report.orphans, report.spared = sync(_unreferenced(history, kept, steps, grace_seconds))
+        report.objects_removed = len(report.orphans)
         report.seconds = time.perf_counter() - t0
         return report
     # First what no fold reads: on a full disk that frees space before anything is written.
@@ -225,32 +227,62 @@ def _drop(report: GCReport, history: History, steps: list[int], keep: list[int],
     for step in reversed(steps):
         sync(history.uncommit(step))
     history.forget()
-    garbage = sync(_unreferenced(history, keep, all_steps, grace_seconds))
+    manifests = [sync(history.manifest(s)) for s in keep]
+    garbage, report.spared = sync(_unreferenced(history, manifests, all_steps, grace_seconds))
     sync(_delete_all(history, garbage))
     report.orphans += garbage
     report.objects_removed += len(garbage)
 
 
+def _to_fold(m: Manifest, deleted: set[int]) -> list[str]:
+    """The tensors of ``m`` a gc deleting ``deleted`` rewrites: those whose base is deleted (a
+    kept base is folded first, oldest first, so a chain through it is whole again)."""
+    return [k for k, e in m.tensors.items() if e.base in deleted and e.encoding != "full"]
+
+
+def _without(m: Manifest, keys: list[str]) -> Manifest:
+    """``m`` as it references data once a fold has rewritten ``keys`` into a group of its own."""
+    if not keys:
+        return m
+    entries = {k: e for k, e in m.tensors.items() if k not in keys}
+    packs = {n: p for n, p in m.packs.items() if any(e.pack and e.pack[0] == n for e in entries.values())}
+    return dataclasses.replace(m, tensors=entries, packs=packs)
+
+
 def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int]) -> int:
     """Rewrite the tensors of ``step`` that depend on deleted steps; returns bytes written.
 
-    Each becomes ``same`` as the previous kept step if equal to it, a delta against it if that
-    step lies within the chain the tensor had (so chains never grow longer than they were),
-    else full. Chunking and packing stay as they were: later steps' deltas build on them.
+    Each becomes ``same`` as, or a delta against, the newest kept step of its segment through
+    which its chain reads no more layers than it did (a save's own bound on chains, kept
+    through any gc), else full: what a fresh full save of it costs. Chunking and packing stay
+    as they were: later steps' deltas build on them.
     """
     history = writer.history
     m = sync(history.manifest(step))
     deps = {k: sync(history.dependencies(step, k)) for k in m.tensors}
-    todo = [k for k in m.tensors if deleted & set(deps[k])]
-    base_m = sync(history.manifest(earlier_kept[-1])) if earlier_kept else None
-    refs = writer.bases_for(base_m, todo) if base_m is not None else {}
+    todo = _to_fold(m, deleted)
+    # A step of another segment would add a layer a save never reads (and keep it alive).
+    candidates = [k for k in reversed(earlier_kept) if k in m.segment]
+    by_base: dict[int, list[str]] = {}
+    for key in todo:
+        # the newest through which a delta keeps the bound, else one it may only equal
+        layers = {k: len(sync(history.dependencies(k, key))) for k in candidates
+                  if key in sync(history.manifest(k)).tensors}
+        k = next((k for k in layers if layers[k] < len(deps[key])),
+                 next((k for k in layers if layers[k] == len(deps[key])), None))
+        if k is not None:
+            by_base.setdefault(k, []).append(key)
+    refs: dict[str, Base | None] = {}
+    for k, keys in by_base.items():
+        refs.update(writer.bases_for(sync(history.manifest(k)), keys))
 
     def fill(out: StepWriter) -> None:
         for key in todo:
             value = writer.materialized(step, key)
             ref = refs.get(key)
-            if ref is not None and ref.step < deps[key][0] and not torch.equal(fmt.to_bits(value), ref.bits):
-                ref = None  # unchanged is free; a long new chain is not
+            if ref is not None and not torch.equal(fmt.to_bits(value), ref.bits) and \
+                    len(sync(history.dependencies(ref.step, key))) == len(deps[key]):
+                ref = None  # a delta would read one layer more than the step did
             found = sync(history.holder(step, key))
             out.add(key, value, ref, layout=None if found is None else found[1])
 
@@ -293,31 +325,22 @@ def _referenced(manifests: list[Manifest]) -> tuple[set[str], set[str], set[str]
     return arrays, dirs, objects
 
 
-async def _maybe_in_progress(history: History, group: str, grace_seconds: float) -> bool:
-    """A group of a step newer than the latest commit is spared while it is young: a save may
-    be writing it right now. Its creation time is in its zarr.json."""
-    raw = await history.backend.get(f"{group}/zarr.json")
-    if raw is None:
-        return True
-    created = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR, {}).get("created")
-    return not isinstance(created, (int, float)) or time.time() - created < grace_seconds
-
-
-async def _unreferenced(history: History, keep: list[int], all_steps: list[int], grace_seconds: float) -> list[str]:
-    """Keys under ``steps/`` that the kept steps do not read (dry runs: as if gc had run)."""
-    manifests = [await history.manifest(s) for s in keep]
+async def _unreferenced(history: History, manifests: list[Manifest], all_steps: list[int],
+                        grace_seconds: float) -> tuple[list[str], list[str]]:
+    """Keys under ``steps/`` that ``manifests`` (the kept steps') do not read, and the attempt
+    groups spared as maybe still being written."""
     arrays, dirs, objects = _referenced(manifests)
     latest = all_steps[-1] if all_steps else -1
     spared: dict[str, bool] = {}
     garbage = []
     async for key in history.backend.list_prefix(f"{fmt.STEPS_DIR}/"):
         group = key.split("/")[1] if key.count("/") >= 1 else ""
-        m = _GROUP.fullmatch(group)
+        m = GROUP_NAME.fullmatch(group)
         if m is None:
             continue  # not ours
         if int(m.group(1)) > latest:
             if group not in spared:
-                spared[group] = await _maybe_in_progress(history, f"{fmt.STEPS_DIR}/{group}", grace_seconds)
+                spared[group] = await history.maybe_in_progress(f"{fmt.STEPS_DIR}/{group}", grace_seconds)
             if spared[group]:
                 continue
         if key.endswith("/zarr.json") and key[: -len("/zarr.json")] in dirs:
@@ -325,7 +348,7 @@ async def _unreferenced(history: History, keep: list[int], all_steps: list[int],
         if key in objects or _is_chunk_of(key, arrays):
             continue
         garbage.append(key)
-    return sorted(garbage)
+    return sorted(garbage), sorted(f"{fmt.STEPS_DIR}/{g}" for g, young in spared.items() if young)
 
 
 def _is_chunk_of(key: str, arrays: set[str]) -> bool:

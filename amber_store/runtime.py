@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, TypeVar
@@ -36,16 +37,51 @@ def event_loop() -> asyncio.AbstractEventLoop:
     return sync(_running_loop())
 
 
+#: how long an interrupted call waits for its own cleanup (a save deleting its attempt), and
+#: how much longer once interrupted again
+CLEANUP_SECONDS = 30.0
+IMPATIENT_SECONDS = 2.0
+
+
 def interruptible(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` on zarr's event loop and wait for it, like zarr's ``sync``, but cancel it
-    when the wait is interrupted (KeyboardInterrupt): a save interrupted before its commit is
-    then never committed behind the caller's back."""
-    future = asyncio.run_coroutine_threadsafe(coro, event_loop())
+    when the wait is interrupted (KeyboardInterrupt) and let it clean up before the interrupt
+    goes on: a save interrupted before its commit is never committed behind the caller's back,
+    and its data is gone. The first interrupt is raised, alone (see :func:`_await_cleanup`)."""
+    finished = threading.Event()
+    task: list[asyncio.Task[Any]] = []
+
+    async def run() -> T:
+        task.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            return await coro
+        finally:
+            finished.set()
+
+    future = asyncio.run_coroutine_threadsafe(run(), event_loop())
     try:
         return future.result()
     except BaseException:
         future.cancel()
+        _await_cleanup(finished, task)
         raise
+
+
+def _await_cleanup(finished: threading.Event, task: list[asyncio.Task[Any]]) -> None:
+    """Wait for a cancelled call's cleanup, at most CLEANUP_SECONDS; more interrupts meanwhile
+    cut the wait to IMPATIENT_SECONDS (a cleanup takes milliseconds when the storage answers),
+    never into a second traceback."""
+    deadline = time.monotonic() + CLEANUP_SECONDS
+    while not finished.is_set() and time.monotonic() < deadline:
+        try:
+            finished.wait(deadline - time.monotonic())
+        except KeyboardInterrupt:
+            deadline = min(deadline, time.monotonic() + IMPATIENT_SECONDS)
+    if not finished.is_set():
+        # Given up on: it goes on while the process lives; were the process to exit first,
+        # asyncio would print "Task was destroyed but it is pending" at exit.
+        for t in task:
+            t._log_destroy_pending = False  # type: ignore[attr-defined]
 
 
 async def gather(aws: Iterable[Any]) -> list[Any]:

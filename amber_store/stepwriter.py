@@ -342,15 +342,17 @@ class StepWriter:
     pack's parts: ``PACK_CHUNK_BYTES``), the pack threshold, the compression and the bound on
     bytes in flight. ``recycle(key, like)`` may hand back a free host buffer for a tensor's new
     base bits. Past ``deadline`` (``time.monotonic()``), waiting for
-    writes raises :class:`TimeoutError` and ``close`` cancels the writes still in flight.
+    writes raises :class:`TimeoutError` and ``close`` cancels the writes still in flight. Once
+    ``stop`` is set (the save was interrupted), adding a tensor raises :class:`SaveStopped`.
     """
 
     def __init__(self, put: Callable[[str, list[bytes]], Awaitable[None]], group: str, options: Options, *,
                  pack_name: str = fmt.PACK_PREFIX,
                  recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, stop: threading.Event | None = None) -> None:
         self._put_object = put
         self._deadline = deadline
+        self._stop = stop
         self._group = group
         self._chunk_bytes = options.chunk_bytes
         self._pack_threshold = options.pack_threshold
@@ -379,6 +381,8 @@ class StepWriter:
         steps that later deltas build on). ``keep``: whether the tensor's materialized value is
         returned (:attr:`Written.values`) as a later save's base; without it, a lossless tensor
         on the host is not copied at all."""
+        if self._stop is not None and self._stop.is_set():
+            raise SaveStopped(f"{self._group}: the save was given up before {key!r} was written")
         tensor = tensor.detach()
         name = dtype_name(tensor.dtype)
         shape = tuple(tensor.shape)
@@ -644,6 +648,10 @@ class StepWriter:
 
     def _time_left(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+
+class SaveStopped(Exception):
+    """A step writer was told to stop: its save was interrupted or ran out of time."""
 
 
 class BaseCache:

@@ -16,7 +16,6 @@ import math
 import os
 import threading
 import time
-import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -32,9 +31,9 @@ from . import export as export_
 from . import retention
 from . import shards
 from .errors import (AmberError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError,
-                     StorageAccessError)
+                     StorageAccessError, warn)
 from .format import Manifest
-from .history import History
+from .history import GRACE_SECONDS, History
 from .background import Background
 from .lazy import LazyStateDict, LazyTensor, materialize
 from .reader import Reader, ReadSession
@@ -47,8 +46,11 @@ from .options import Options
 from .writer import Writer
 
 Mode = Literal["r", "a", "w"]
-#: save_async warns (once) when back-pressure held training up longer than this.
-BACKPRESSURE_WARN_SECONDS = 0.05
+#: save_async warns (once) when back-pressure has held training up for more than this share of
+#: its time since the first save_async, and for longer than BACKPRESSURE_WARN_SECONDS in all:
+#: a wait that matters against the step time, not a first save's warm-up
+BACKPRESSURE_WARN_SHARE = 0.1
+BACKPRESSURE_WARN_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,12 +86,25 @@ class Store:
         self._submitted: int | None = None
         self._background = Background(self.options.max_pending)
         self._warned_backpressure = False
+        self._waits: tuple[float, float] | None = None  # (first save_async, seconds held up since)
         self._snapshots = Snapshots(self.options.snapshot)
         self._walked = fmt.FlattenMemo()  # the last state saved, as flatten found it
         self._saving = threading.Lock()  # one save at a time: its checks against the history assume so
         self.writer.root_version = sync(self.history.initialize(mode, exclusive_commits=not self.options.single_writer))
+        if mode != "r":
+            self._warn_of_strays()
 
     # --- opening ------------------------------------------------------------------------
+
+    def _warn_of_strays(self) -> None:
+        """Say once, at a writable open, what dead saves left (gc would delete it)."""
+        strays = [a for a in sync(self.history.stray_attempts()) if not a.maybe_saving]
+        if strays:
+            steps = sorted({a.step for a in strays})
+            shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+            warn(f"{self.uri}: {len(strays)} attempt(s) of saves that never committed (step(s) {shown}) still hold "
+                 f"data, left by processes that died mid-save; `amber-store gc {self.uri}` deletes them "
+                 "(`amber-store du` says how much)")
 
     @property
     def uri(self) -> str:
@@ -187,13 +202,7 @@ class Store:
         if self._submitted is not None and step <= self._submitted:
             raise StepOrderError(f"{self.uri}: step {step} is not newer than the pending save of step {self._submitted}")
         waited = self._background.reserve()
-        if waited > BACKPRESSURE_WARN_SECONDS and not self._warned_backpressure:
-            self._warned_backpressure = True
-            warnings.warn(
-                f"{self.uri}: training waited {waited:.2f} s for the previous checkpoint to finish before "
-                f"saving step {step} (max_pending={self._background.max_pending}); checkpoints take longer than "
-                "the interval between them: save less often, raise max_pending (one more snapshot of host "
-                "memory each), or use faster storage. (Warned once per store.)", RuntimeWarning, stacklevel=2)
+        self._warn_if_held_up(step, waited, time.perf_counter())
         try:
             tree, snapshot = self._snapshots.take(lambda: fmt.flatten(state_dict, self._walked))
         except BaseException:
@@ -208,6 +217,18 @@ class Store:
             return info
 
         return self._background.submit(step, work, lambda: self._snapshots.give_back(snapshot))
+
+    def _warn_if_held_up(self, step: int, waited: float, now: float) -> None:
+        first, held = self._waits or (now - waited, 0.0)
+        self._waits = (first, held + waited)
+        elapsed = now - first
+        if self._warned_backpressure or held + waited <= max(BACKPRESSURE_WARN_SECONDS, BACKPRESSURE_WARN_SHARE * elapsed):
+            return
+        self._warned_backpressure = True
+        warn(f"{self.uri}: by step {step}, training has waited {held + waited:.1f} s of {elapsed:.1f} s for checkpoints "
+             f"to finish (max_pending={self._background.max_pending}): they take longer than the interval between "
+             "them. Save less often, raise max_pending (one more snapshot of host memory each), or use faster "
+             "storage. (Warned once per store.)")
 
     def wait(self) -> None:
         """Block until every :meth:`save_async` has committed; raise the first failure."""
@@ -234,7 +255,7 @@ class Store:
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, *,
            policy: retention.Retention | None = None, dry_run: bool = False,
-           grace_seconds: float = 3600.0) -> GCReport:
+           grace_seconds: float = GRACE_SECONDS) -> GCReport:
         """Delete steps outside the retention policy without breaking any kept step.
 
         Keeps the last ``keep_last`` steps (``None``: all), every step divisible by
@@ -398,9 +419,8 @@ class Store:
         damaged: dict[str, str] | None = None if strict else {}
         state = materialize(lazy_sd, device, damaged=damaged)
         if damaged:
-            warnings.warn(f"{self.uri}: step {step}: left out {len(damaged)} damaged tensor(s): "
-                          f"{', '.join(sorted(damaged))}; `amber-store verify` names their chunks",
-                          RuntimeWarning, stacklevel=2)
+            warn(f"{self.uri}: step {step}: left out {len(damaged)} damaged tensor(s): "
+                 f"{', '.join(sorted(damaged))}; `amber-store verify` names their chunks")
         return state
 
     async def _values(self, m: Manifest, layout: shards.Layout) -> dict[str, Any]:

@@ -11,8 +11,9 @@ DCP save, gc's folds):
 3. :meth:`Writer.seal`: the group's consolidated metadata, then durability of every object.
 4. :meth:`Writer.commit`: the manifest, created exclusively (a fold replaces its step's).
 
-An attempt that fails before its commit is deleted (:meth:`Writer.abandon`) where it is known
-never to be committed; what a killed process leaves is gc's.
+An attempt that fails before its commit (an error, a deadline, an interrupt) is deleted
+(:meth:`Writer.abandon`) where it is known never to be committed and the storage answers; what
+a killed process leaves is gc's, and :meth:`History.stray_attempts` reports it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import threading
 import time
 import uuid
 from contextlib import suppress
@@ -47,6 +49,10 @@ AUTO_TIMEOUT_SECONDS = 300.0
 AUTO_TIMEOUT_RATE = 20e6
 #: how long a failed save may spend deleting its own attempt's data
 DISCARD_TIMEOUT = 10.0
+#: how long a save out of time waits for that delete before it reports (the storage is likely
+#: not answering: the delete goes on, and what it leaves is gc's)
+DEADLINE_DISCARD_WAIT = 1.0
+_DISCARDING: set[asyncio.Future[None]] = set()
 
 
 @dataclass(frozen=True)
@@ -124,15 +130,15 @@ class Writer:
 
     def write(self, plan: StepPlan, fill: Callable[[StepWriter], None], *, pack_name: str = fmt.PACK_PREFIX,
               recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
-              deadline: float | None = None) -> Written:
+              deadline: float | None = None, stop: threading.Event | None = None) -> Written:
         """Encode and write tensors into the plan's group: ``fill(out)`` adds them to a step
         writer (:meth:`add_tensors`, or a fold's own), which writes them as they are encoded
-        and gives up at ``deadline`` (``time.monotonic()``). Runs on the calling thread (a
+        and gives up at ``deadline`` (``time.monotonic()``) or once ``stop`` is set. Runs on the calling thread (a
         writer thread: the event loop must stay free for the writes). An attempt that fails
         here is never committed: the objects this call wrote are deleted (those of a DCP save's
         other ranks are not), but after a storage failure (see :meth:`abandon`)."""
         out = StepWriter(functools.partial(self.backend.put_object, durable=self.options.durable), plan.group,
-                         self.options, pack_name=pack_name, recycle=recycle, deadline=deadline)
+                         self.options, pack_name=pack_name, recycle=recycle, deadline=deadline, stop=stop)
         try:
             fill(out)
             written = out.finish()
@@ -194,10 +200,17 @@ class Writer:
         if _dead(cause):
             await self.discard(plan.group)
 
-    async def discard(self, group: str) -> None:
-        """Delete an attempt group that is never committed (best effort, bounded in time)."""
-        with suppress(Exception):
-            await asyncio.wait_for(self.backend.delete_dir(group), DISCARD_TIMEOUT)
+    async def discard(self, group: str, wait: float | None = None) -> None:
+        """Delete an attempt group that is never committed (best effort, bounded in time);
+        with ``wait``, return after that many seconds while the delete goes on."""
+        async def delete() -> None:
+            with suppress(Exception):
+                await asyncio.wait_for(self.backend.delete_dir(group), DISCARD_TIMEOUT)
+
+        task = asyncio.ensure_future(delete())
+        _DISCARDING.add(task)  # (a task nobody holds may be collected before it ends)
+        task.add_done_callback(_DISCARDING.discard)
+        await asyncio.wait({task}, timeout=wait)
 
     async def delete_objects(self, keys: list[str]) -> None:
         """Delete objects of an attempt that will not be committed (best effort, bounded)."""
@@ -230,12 +243,14 @@ class Writer:
         except (asyncio.TimeoutError, TimeoutError) as e:
             if deadline is None or time.monotonic() < deadline:
                 raise  # one request's own timeout
+            if planned:  # if the storage answers at once, the attempt's data goes now
+                await self.discard(planned[0].group, wait=DEADLINE_DISCARD_WAIT)
             raise StorageAccessError(
                 f"{self.history.uri}: saving step {step} did not finish within save_timeout={timeout:.0f} s, stopped "
                 f"while {doing[-1]} (is the storage answering?); the step is not committed and earlier steps "
                 "are untouched"
             ) from e
-        except Exception as e:
+        except BaseException as e:  # an error, or the caller interrupted (cancelled)
             if planned:
                 await self.abandon(planned[0], e)
             raise
@@ -258,14 +273,17 @@ class Writer:
             doing.append("encoding and writing its data")
             self.add_tensors(out, tensors, plan, desc=f"save {step}")
 
+        stop = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(
-            writer_pool(), functools.partial(self.write, plan, fill, recycle=self.bases.recycle, deadline=deadline))
+            writer_pool(), functools.partial(self.write, plan, fill, recycle=self.bases.recycle, deadline=deadline,
+                                             stop=stop))
         try:
             written = await asyncio.shield(job)
         except asyncio.CancelledError:
-            # The deadline passed: the writer thread stops at the same deadline; wait for it,
-            # so no write of this attempt outlives the failed save. Its own error (e.g. writes
-            # unanswered at the deadline) goes into the save's.
+            # Out of time, or the caller was interrupted: the writer thread stops at its next
+            # tensor; wait for it, so no write of this attempt outlives the failed save. Its own
+            # error (e.g. writes unanswered at the deadline) goes into the save's.
+            stop.set()
             await asyncio.wait([job])
             if not job.cancelled() and job.exception() is not None:
                 doing.append(f"writing its data ({job.exception()})")

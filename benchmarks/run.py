@@ -264,21 +264,22 @@ def main() -> None:
 
     summary = f"""# Benchmark results
 
-Produced by `make bench` (`python benchmarks/run.py{' --quick' if args.quick else ''}{(' --reuse ' + ' '.join(args.reuse)) if args.reuse else ''}`) on
-{datetime.date.today().isoformat()}, in {elapsed / 60:.1f} minutes. Machine: {machine()}. Every figure below
-is measured in this one run{reused_note}; ratios compare methods on the same states. The per-benchmark
-reports (with their own commands) are in `benchmarks/results/*.md`, raw figures in `*.json`.
+Every figure against a peer measured in the same run: `make bench` (`python benchmarks/run.py{' --quick' if args.quick else ''}{(' --reuse ' + ' '.join(args.reuse)) if args.reuse else ''}`),
+{datetime.date.today().isoformat()}, {elapsed / 60:.1f} minutes{reused_note}. Machine: {machine()}.
+Each benchmark's own report (and command) is in `benchmarks/results/*.md`, raw figures in `*.json`; history is in git.
 
-## The goals, plainly
+| what (against which peer) | measured | goal | verdict |
+| --- | --- | --- | --- |
+| lossless delta step, bytes against torch.save's (GPT + AdamW, every {every} steps) | {f['lossless']:.2f}x smaller (fine-tuning run: {ff['lossless']:.2f}x) | >= {GOALS['lossless']}x | {verdict(f['lossless'], GOALS['lossless'])} |
+| `codec="lossy"` delta step, bytes against torch.save's ({lossy_data['params'] / 1e6:.1f}M params, every {every} steps) | {preset['ratio']:.1f}x smaller (best within {GOALS['fidelity_pct']:.0f}%: {best['ratio']:.1f}x, {best['codec']}) | >= {GOALS['lossy']:.0f}x | {verdict(preset['ratio'], GOALS['lossy'])} |
+| `codec="lossy"` resume: loss {lossy_data['args']['resume_steps']} steps on, against the exact resume's | {preset['loss_change_pct']:+.2f}% (noise floor +-{noise:.2f}%; on {len(seeds['seeds'])} data streams {spread(seeds, f'lossy preset, every {every}')}) | within {GOALS['fidelity_pct']:.0f}% | {verdict(abs(preset['loss_change_pct']), GOALS['fidelity_pct'], higher_is_better=False)} |
+| save_async stall, against a bare device-to-host copy | {f['stall_async_vs_copy']:.2f}x | <= {GOALS['stall']}x | {verdict(f['stall_async_vs_copy'], GOALS['stall'], higher_is_better=False)} |
+| DCP at {dcp_top} ranks against DCP's own writer (FileSystemWriter; FsspecWriter on SeaweedFS): save time, resharded load time, delta-step bytes | {dcp_text} | <= 1.2x, <= 1.5x, <= 0.7x | {'met' if dcp_ok else '**not met**'} |
+| each lossy codec's encode speed, against memcpy ({codecs['mb']} MB, this CPU) | {sum(r >= GOALS['lossy_encode'] for r in encode.values())} of {len(encode)}: {fastest} {encode[fastest]:.2f}x ... {slowest} {encode[slowest]:.2f}x | >= {GOALS['lossy_encode']}x | {verdict(encode[slowest], GOALS['lossy_encode'])} |
 
-| goal (issue) | measured | verdict |
+| stored bytes and stall per checkpoint | bytes against resumed loss | save time and bytes by model size |
 | --- | --- | --- |
-| lossless delta step >= {GOALS['lossless']}x smaller than torch.save | {f['lossless']:.2f}x (fine-tuning run: {ff['lossless']:.2f}x) | {verdict(f['lossless'], GOALS['lossless'])} |
-| `codec="lossy"` delta step >= {GOALS['lossy']:.0f}x smaller than torch.save ({lossy_data['params'] / 1e6:.1f}M params, every {every} steps) | {preset['ratio']:.1f}x (best within {GOALS['fidelity_pct']:.0f}%: {best['ratio']:.1f}x, {best['codec']}) | {verdict(preset['ratio'], GOALS['lossy'])} |
-| `codec="lossy"` resume within {GOALS['fidelity_pct']:.0f}% of the exact resume's loss after {lossy_data['args']['resume_steps']} steps | {preset['loss_change_pct']:+.2f}% (noise floor +-{noise:.2f}%; on {len(seeds['seeds'])} data streams {spread(seeds, f'lossy preset, every {every}')}) | {verdict(abs(preset['loss_change_pct']), GOALS['fidelity_pct'], higher_is_better=False)} |
-| save_async stall <= {GOALS['stall']}x a bare device-to-host copy | {f['stall_async_vs_copy']:.2f}x | {verdict(f['stall_async_vs_copy'], GOALS['stall'], higher_is_better=False)} |
-| DCP at {dcp_top} ranks against DCP's own writer (FileSystemWriter; FsspecWriter on SeaweedFS): saves <= 1.2x its time, resharded load <= 1.5x, delta steps <= 0.7x its bytes | {dcp_text} | {'met' if dcp_ok else '**not met**'} |
-| each lossy codec encodes at >= {GOALS['lossy_encode']}x memcpy ({codecs['mb']} MB, this CPU) | {sum(r >= GOALS['lossy_encode'] for r in encode.values())} of {len(encode)}: {fastest} {encode[fastest]:.2f}x ... {slowest} {encode[slowest]:.2f}x (encode throughput, below) | {verdict(encode[slowest], GOALS['lossy_encode'])} |
+| ![training](results/training.png) | ![lossy](results/lossy.png) | ![sweep](results/sweep.png) |
 
 Where amber-store loses:
 

@@ -62,6 +62,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Why tests were skipped, one line per reason (the 46 CUDA cases on a machine without one)."""
+    reasons: Counter[str] = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reasons[longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)] += 1
+    for reason, n in reasons.most_common():
+        terminalreporter.write_line(f"{n} skipped: {reason.removeprefix('Skipped: ')}")
+
+
 @contextmanager
 def running(kind: str) -> Iterator[Any]:
     """A fresh server of the object store ``kind`` with the tests' bucket."""
@@ -246,7 +256,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                         reason="no CUDA device"))])
+                                                                         reason="the CUDA case: no CUDA device here "
+                                                                                "(it runs on a GPU machine)"))])
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Where a state lives: the CPU, and a CUDA device when the suite runs on a GPU machine
     (there the torch code takes deltas on the device, as in training)."""

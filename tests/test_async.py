@@ -6,6 +6,7 @@ import asyncio
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
 from amber_store.demo import GPTConfig, Trainer, corpus
-from conftest import is_data_key, assert_bit_equal, assert_tree_bit_equal
+from conftest import all_keys, is_data_key, assert_bit_equal, assert_tree_bit_equal
 
 
 class SlowStore(WrapperStore):
@@ -246,7 +247,7 @@ def test_snapshots_of_parameters_record_no_autograd_history_on_any_thread():
 
 
 @pytest.mark.parametrize("max_pending", [1, 2])
-@pytest.mark.filterwarnings("ignore:.*training waited:RuntimeWarning")  # the point of this test
+@pytest.mark.filterwarnings("ignore:.*training has waited:RuntimeWarning")  # the point of this test
 def test_back_pressure_holds_at_most_max_pending_unfinished_saves(tmp_path, max_pending):
     slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.02)
     store = amber.open(slow, max_pending=max_pending)
@@ -267,22 +268,50 @@ def test_back_pressure_holds_at_most_max_pending_unfinished_saves(tmp_path, max_
     assert len(store._snapshots._free) <= max_pending  # snapshot buffers are reused, not piled up
 
 
-def test_training_held_up_by_back_pressure_is_warned_about_once(tmp_path):
+def held_up_warnings(store: amber.Store, slow: SlowStore, steps: range, hold: float, train: float) -> list:
+    """``save_async`` of each step, each save finishing ``hold`` s after it starts, with
+    ``train`` s of "training" between; the back-pressure warnings raised."""
     import warnings
 
-    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.0)
-    store = amber.open(slow, max_pending=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in (1, 2, 3):
+        for step in steps:
             slow.gate.clear()
             store.save_async(step, state(step))
-            threading.Timer(0.3, slow.gate.set).start()  # the save finishes only later
+            threading.Timer(hold, slow.gate.set).start()
+            time.sleep(train)
         store.wait()
-    held = [w for w in caught if issubclass(w.category, RuntimeWarning) and "waited" in str(w.message)]
-    assert len(held) == 1, [str(w.message) for w in caught]
-    assert "max_pending=1" in str(held[0].message) and "step 2" in str(held[0].message)
-    assert store.steps() == [1, 2, 3]
+    return [w for w in caught if issubclass(w.category, RuntimeWarning) and "waited" in str(w.message)]
+
+
+@pytest.mark.parametrize("max_pending", [1, 2])
+def test_training_held_up_a_real_share_of_its_time_is_warned_once_at_the_callers_line(tmp_path, max_pending):
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.0)
+    store = amber.open(slow, max_pending=max_pending)
+    held = held_up_warnings(store, slow, range(1, 10), hold=0.4, train=0.0)
+    assert len(held) == 1 and held[0].filename == __file__, [(str(w.message), w.filename) for w in held]
+    assert f"max_pending={max_pending}" in str(held[0].message)
+    assert store.steps() == list(range(1, 10))
+
+
+def test_a_slow_first_save_is_not_warned_about(tmp_path):
+    slow = SlowStore(LocalStore(tmp_path / "ckpt"), delay=0.0)
+    store = amber.open(slow, max_pending=1)
+    assert held_up_warnings(store, slow, range(1, 2), hold=0.8, train=0.0) == []
+    assert held_up_warnings(store, slow, range(2, 8), hold=0.0, train=0.1) == []
+    assert store.steps() == list(range(1, 8))
+
+
+def test_back_pressure_is_warned_about_by_its_share_of_the_training_time(tmp_path):
+    store = amber.open(tmp_path / "ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(40):  # 0.3 s of every 5 s: 6%, 12 s in all
+            store._warn_if_held_up(i, 0.3, 5.0 * i)
+        assert caught == []
+        for i in range(40, 50):  # now 3 s of every 5 s: once the waits pass 10% of the time, warned
+            store._warn_if_held_up(i, 3.0, 5.0 * i)
+    assert len(caught) == 1 and "by step 43, training has waited 24.0 s of 215.3 s" in str(caught[0].message)
 
 
 def test_a_background_failure_surfaces_on_the_future_and_on_the_next_call(tmp_path):
@@ -319,7 +348,7 @@ def test_sync_save_waits_for_pending_async_saves_in_order(tmp_path):
     assert_tree_bit_equal(reader.load(2, lazy=False), s2)
 
 
-def test_a_save_interrupted_by_ctrl_c_is_not_committed_and_the_store_saves_on(tmp_path, request):
+def test_a_save_interrupted_by_ctrl_c_deletes_its_data_before_the_interrupt_returns(tmp_path, request):
     # A suite run as a background job (`make test &`) inherits SIGINT ignored, and Python keeps
     # it so: Ctrl-C then does nothing, and this test's save waited out its 300 s deadline.
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -332,22 +361,23 @@ def test_a_save_interrupted_by_ctrl_c_is_not_committed_and_the_store_saves_on(tm
     main = threading.main_thread().ident
 
     def interrupt() -> None:
-        # to the main thread, where a terminal's Ctrl-C lands
+        # to the main thread, where a terminal's Ctrl-C lands; then the storage answers again
         if slow.held.wait(120):
             signal.pthread_kill(main, signal.SIGINT)
-        else:
-            slow.gate.set()  # never held: the save finishes and the test fails, rather than hangs
+            time.sleep(0.2)
+        slow.gate.set()  # (never held: the save finishes and the test fails, rather than hangs)
 
     ctrl_c = threading.Thread(target=interrupt)
     ctrl_c.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             store.save(2, s2)
+        assert not [k for k in all_keys(store) if k.startswith("steps/000000000002-")]
     finally:
         ctrl_c.join()
         slow.gate.set()
-    time.sleep(0.5)  # the interrupted save's writes settle; it must not commit after them
-    assert store.steps() == [1]
+    time.sleep(0.5)  # the interrupted save must not commit, nor write, later
+    assert store.steps() == [1] and not [k for k in all_keys(store) if k.startswith("steps/000000000002-")]
     assert store.save(2, s2).step == 2
     reader = amber.open(tmp_path / "ckpt", mode="r")
     assert_tree_bit_equal(reader.load(1, lazy=False), s1)

@@ -117,6 +117,9 @@ def test_info_without_a_step_shows_the_latest_and_says_why_a_delta_step_stored_a
     assert "note: w: stored full: float32[8, 8] at base step 1, now float32[8, 9]" in out.stdout
     assert "note: new: stored full: new since base step 1" in out.stdout
     assert "note: b" not in out.stdout
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:] if line.split()[0] in ("w", "b")}
+    assert rows["b"][-2].startswith("~")  # packed: its share of the pack, so labelled
+    assert "~: packed with the step's other small tensors" in out.stdout
 
 
 def test_ls_shows_times_pins_and_no_ratio_for_a_step_that_stored_nothing(tmp_path):

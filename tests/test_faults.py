@@ -6,10 +6,13 @@ import asyncio
 import json
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -516,3 +519,71 @@ def test_bad_store_options_are_refused_at_open_before_anything_is_written(tmp_pa
     with pytest.raises((ValueError, TypeError), match=message):
         amber.open(tmp_path / "ckpt", **options)
     assert not (tmp_path / "ckpt").exists()
+
+
+SAVING_LOOP = r"""
+import signal, sys, torch, amber_store as amber
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job inherits it ignored)
+store = amber.open(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+state = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(24)}  # 48 MiB
+print("saving", flush=True)
+for step in range(1, 10_000):
+    store.save(step, state, full=True)
+"""
+
+
+def saving_loop(uri: str) -> subprocess.Popen:
+    """A process saving full steps back to back, once it says so on stdout."""
+    proc = subprocess.Popen([sys.executable, "-c", SAVING_LOOP, uri], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "saving\n"
+    return proc
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_mid_save_deletes_the_attempt_and_a_second_one_exits_with_one_traceback(tmp_path, signals):
+    proc = saving_loop(str(tmp_path / "ckpt"))
+    time.sleep(1.0)  # (a few saves in: every later moment is inside one)
+    for _ in range(signals):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.005)  # (the second one lands in the save's cleanup, or in Python's exit)
+    _, err = proc.communicate(timeout=120)
+    # One traceback, of the save interrupted, and no thread of amber-store's still running at
+    # exit; a second Ctrl-C that lands in the interpreter's own exit is reported by Python as
+    # "Exception ignored in atexit callback" (a torch finalizer, say), which no library prevents.
+    first = err.split("Exception ignored in atexit callback")[0]
+    assert first.count("Traceback") == 1 and first.rstrip().endswith("KeyboardInterrupt"), err
+    assert "During handling" not in err and "Exception ignored in: <module 'threading'>" not in err, err
+    # (the cleanup takes milliseconds: a second Ctrl-C, which cuts its wait to 2 s, finds it done)
+    assert sync(History(resolve(str(tmp_path / "ckpt"))).stray_attempts()) == []
+    assert amber.open(tmp_path / "ckpt", mode="r").steps()
+
+
+def test_what_a_killed_save_leaves_is_reported_by_ls_du_and_the_next_writable_open(tmp_path):
+    uri = str(tmp_path / "ckpt")
+    proc = saving_loop(uri)
+    time.sleep(1.0)
+    proc.kill()
+    proc.communicate(timeout=60)
+    [stray] = sync(History(resolve(uri)).stray_attempts())
+    assert stray.maybe_saving  # newer than the latest step, young: a save may be writing it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store = amber.open(uri)  # (so nothing to say yet)
+    store.save(stray.step, {"w": torch.ones(4)})  # the job restarted and saved that step
+    with pytest.warns(RuntimeWarning, match=rf"1 attempt\(s\) of saves that never committed \(step\(s\) "
+                                            rf"{stray.step}\).*amber-store gc") as caught:
+        amber.open(uri)
+    assert caught[0].filename == __file__  # the user's line
+    cli = [sys.executable, "-m", "amber_store.cli"]
+    ls = subprocess.run([*cli, "ls", uri], capture_output=True, text=True, timeout=120).stdout
+    assert "uncommitted: 1 attempt(s) of saves that never committed hold" in ls and f"amber-store gc {uri}" in ls
+    du = json.loads(subprocess.run([*cli, "du", uri, "--json"], capture_output=True, text=True, timeout=120).stdout)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "ckpt" / stray.group).rglob("*") if f.is_file())
+    assert du["uncommitted"] == {"attempts": 1, "maybe_saving": 0, "bytes": on_disk}
+    store.gc()
+    assert sync(History(resolve(uri)).stray_attempts()) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amber.open(uri)

@@ -104,6 +104,12 @@ class LocalBackend(Backend):
     async def make_durable(self, keys: list[str]) -> None:
         await asyncio.to_thread(_fsync_all, self.root, keys)
 
+    async def delete(self, key: str) -> None:
+        """The file, then each directory above it left empty, up to the store's top-level ones
+        (``steps/``, ``commits/``): a directory is a file system's object too."""
+        await super().delete(key)
+        await asyncio.to_thread(_prune, self.root, key)
+
     async def probe(self) -> None:
         if self.read_only and not self.root.is_dir():
             raise NotAnAmberStoreError(f"{self.uri}: no amber-store here (nothing to read)")
@@ -111,6 +117,16 @@ class LocalBackend(Backend):
     async def footprint(self) -> dict[str, int]:
         """Besides files and their sizes: disk blocks allocated, and ``directories``."""
         return await asyncio.to_thread(_local_footprint, self.root)
+
+
+def _prune(root: Path, key: str) -> None:
+    parts = key.split("/")[:-1]
+    while len(parts) > 1:
+        try:
+            (root / "/".join(parts)).rmdir()
+        except OSError:  # not empty (or already gone): nothing above it is empty either
+            return
+        parts.pop()
 
 
 def _fsync_all(root: Path, keys: list[str]) -> None:
