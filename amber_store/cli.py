@@ -96,9 +96,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _strays(args: argparse.Namespace, attempts: int, nbytes: int, young: int) -> str:
-    """A line on the data of saves that never committed, and what removes it."""
+    """A line on the data of attempts no committed step uses (dead saves, or folds of a gc that
+    died), and what removes it."""
     note = f"; {young} of them may be a save in progress (gc spares those for an hour)" if young else ""
-    return (f"uncommitted: {attempts} attempt(s) of saves that never committed hold {_human(nbytes)}, which "
+    return (f"uncommitted: {attempts} attempt(s) no committed step uses hold {_human(nbytes)}, which "
             f"`amber-store gc {args.uri}` deletes{note}")
 
 

@@ -97,13 +97,13 @@ class Store:
     # --- opening ------------------------------------------------------------------------
 
     def _warn_of_strays(self) -> None:
-        """Say once, at a writable open, what dead saves left (gc would delete it)."""
+        """Say once, at a writable open, what dead saves or gc runs left (gc would delete it)."""
         strays = [a for a in sync(self.history.stray_attempts()) if not a.maybe_saving]
         if strays:
             steps = sorted({a.step for a in strays})
             shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
-            warn(f"{self.uri}: {len(strays)} attempt(s) of saves that never committed (step(s) {shown}) still hold "
-                 f"data, left by processes that died mid-save; `amber-store gc {self.uri}` deletes them "
+            warn(f"{self.uri}: {len(strays)} attempt(s) no committed step uses (step(s) {shown}) still hold data, "
+                 f"left by saves or gc runs that died midway; `amber-store gc {self.uri}` deletes them "
                  "(`amber-store du` says how much)")
 
     @property

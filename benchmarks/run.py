@@ -27,7 +27,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent))
 
 from amber_store.format import FORMAT_VERSION  # noqa: E402
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import machine, median_rate  # noqa: E402
 from benchmarks.layout import XOR_LOAD, XOR_SAVE  # noqa: E402
 
 GOALS = {"lossless": 2.5, "lossy": 50.0, "fidelity_pct": 1.0, "stall": 1.2, "lossy_encode": 0.5}
@@ -52,6 +52,16 @@ def run(name: str, *args: str) -> tuple[str, dict]:
     (RESULTS / f"{name}.md").write_text(report + "\n")
     print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
     return report, json.loads(out_json.read_text())
+
+
+def s3_goal(throughput: dict) -> tuple[str, bool]:
+    """amber-store's S3 speeds against torch.save's on the same server (above 1: faster), and
+    whether each meets issue 37's goal."""
+    r, mb = throughput["results"], throughput["mb"]
+    ours, peer = r["amber, SeaweedFS S3"], r["torch.save, SeaweedFS S3"]
+    ratios = [median_rate(mb, ours[k]) / median_rate(mb, peer[k]) for k in ("full", "delta", "load")]
+    goals = (1.3, 1.3, 1.0)
+    return ", ".join(f"{x:.2f}x" for x in ratios), all(x >= g for x, g in zip(ratios, goals))
 
 
 def spread(seeds: dict, name: str) -> str:
@@ -223,7 +233,7 @@ def main() -> None:
                                                  "--resume-steps", "200"]
     training_md, training = run("training", *train_args)
     frozen_md, frozen = run("training-frozen", *train_args, "--freeze")
-    throughput_md, _ = run("throughput", "--mb", "32" if args.quick else "96", "--repeats", "3")
+    throughput_md, throughput = run("throughput", "--mb", "32" if args.quick else "96", "--repeats", "3")
     faults_md, _ = run("s3_faults", *(["--kills", "3", "--freezes", "2", "--races", "3"] if args.quick
                                       else ["--kills", "10", "--freezes", "3", "--races", "10"]))
     load_md, _ = run("load_bench", "--mb", "32" if args.quick else "64")
@@ -254,6 +264,7 @@ def main() -> None:
     noise = max(abs(x) for x in lossy_data["noise_floor_pct"])
     gpt, small, mods = layout["results"]["gpt"], layout["results"]["small"], layout["modules"]
     dcp_top, dcp_text, dcp_ok = dcp_goal(scale)
+    s3_text, s3_ok = s3_goal(throughput)
     memcpy = codecs["gbps"]["copy (clone, memcpy)"]
     encode = {k: v / memcpy for k, v in codecs["gbps"].items() if not k.startswith(("copy", "diff", "xor"))}
     slowest, fastest = min(encode, key=encode.get), max(encode, key=encode.get)
@@ -275,6 +286,7 @@ Each benchmark's own report (and command) is in `benchmarks/results/*.md`, raw f
 | `codec="lossy"` resume: loss {lossy_data['args']['resume_steps']} steps on, against the exact resume's | {preset['loss_change_pct']:+.2f}% (noise floor +-{noise:.2f}%; on {len(seeds['seeds'])} data streams {spread(seeds, f'lossy preset, every {every}')}) | within {GOALS['fidelity_pct']:.0f}% | {verdict(abs(preset['loss_change_pct']), GOALS['fidelity_pct'], higher_is_better=False)} |
 | save_async stall, against a bare device-to-host copy | {f['stall_async_vs_copy']:.2f}x | <= {GOALS['stall']}x | {verdict(f['stall_async_vs_copy'], GOALS['stall'], higher_is_better=False)} |
 | DCP at {dcp_top} ranks against DCP's own writer (FileSystemWriter; FsspecWriter on SeaweedFS): save time, resharded load time, delta-step bytes | {dcp_text} | <= 1.2x, <= 1.5x, <= 0.7x | {'met' if dcp_ok else '**not met**'} |
+| S3 (SeaweedFS) against torch.save + one PUT, one GET + torch.load: full save, delta save, delta-step load speed | {s3_text} | >= 1.3x, >= 1.3x, >= 1.0x | {'met' if s3_ok else '**not met**'} |
 | each lossy codec's encode speed, against memcpy ({codecs['mb']} MB, this CPU) | {sum(r >= GOALS['lossy_encode'] for r in encode.values())} of {len(encode)}: {fastest} {encode[fastest]:.2f}x ... {slowest} {encode[slowest]:.2f}x | >= {GOALS['lossy_encode']}x | {verdict(encode[slowest], GOALS['lossy_encode'])} |
 
 | stored bytes and stall per checkpoint | bytes against resumed loss | save time and bytes by model size |

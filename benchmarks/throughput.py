@@ -1,5 +1,6 @@
 """Save and load throughput: amber-store on a local directory and on a real S3 server
-(SeaweedFS, started here), vs torch.save to a local file and to the same S3 server.
+(SeaweedFS, started here) through each of its S3 clients (obstore, the default, and s3fs), vs
+torch.save to a local file and to the same S3 server.
 
 The same state dict (float32 tensors shaped like a transformer's weights and Adam moments) is
 saved full, then as a delta after a small update to every element, then the delta step is
@@ -95,7 +96,8 @@ def main() -> None:
     updated = {k: v + 1e-3 * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in state.items()}
     mb = nbytes(state) / 1e6
     tmp = Path(tempfile.mkdtemp(prefix="amber-bench-"))
-    names = ["torch.save, local file", "amber, local directory", "torch.save, SeaweedFS S3", "amber, SeaweedFS S3"]
+    names = ["torch.save, local file", "amber, local directory", "torch.save, SeaweedFS S3", "amber, SeaweedFS S3",
+             "amber, SeaweedFS S3 via s3fs"]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     try:
         with SeaweedFS() as s3:
@@ -106,6 +108,8 @@ def main() -> None:
                 names[2]: lambda: torch_s3_run(s3, state),
                 names[3]: lambda: amber_run(lambda: f"s3://bench/{uuid.uuid4().hex}", s3.storage_options(), state,
                                             updated),
+                names[4]: lambda: amber_run(lambda: f"s3://bench/{uuid.uuid4().hex}",
+                                            {**s3.storage_options(), "client": "s3fs"}, state, updated),
             }
             for r in range(args.repeats):
                 for name in names[r % len(names):] + names[: r % len(names)]:
@@ -121,11 +125,12 @@ def main() -> None:
                  "delta size ratio"],
                 [[name, rate(mb, r["full"]), rate(mb, r["delta"]), rate(mb, r["load"]),
                   f"{r['full_ratio'][0]:.2f}x", f"{r['delta_ratio'][0]:.2f}x"] for name, r in results.items()]))
-    ts, local, ts3, s3r = (results[n] for n in names)
+    ts, local, ts3, s3r, s3fs = (results[n] for n in names)
     print()
     for what in ("full", "delta", "load"):
         print(f"{what:>5}: amber S3 / amber local = {median_rate(mb, s3r[what]) / median_rate(mb, local[what]):.2f}; "
               f"amber S3 / torch.save S3 = {median_rate(mb, s3r[what]) / median_rate(mb, ts3[what]):.2f}; "
+              f"obstore / s3fs = {median_rate(mb, s3r[what]) / median_rate(mb, s3fs[what]):.2f}; "
               f"amber local / torch.save local = {median_rate(mb, local[what]) / median_rate(mb, ts[what]):.2f} "
               "(throughput ratios: above 1 is faster)")
     if args.json:

@@ -572,13 +572,13 @@ def test_what_a_killed_save_leaves_is_reported_by_ls_du_and_the_next_writable_op
         warnings.simplefilter("error")
         store = amber.open(uri)  # (so nothing to say yet)
     store.save(stray.step, {"w": torch.ones(4)})  # the job restarted and saved that step
-    with pytest.warns(RuntimeWarning, match=rf"1 attempt\(s\) of saves that never committed \(step\(s\) "
+    with pytest.warns(RuntimeWarning, match=rf"1 attempt\(s\) no committed step uses \(step\(s\) "
                                             rf"{stray.step}\).*amber-store gc") as caught:
         amber.open(uri)
     assert caught[0].filename == __file__  # the user's line
     cli = [sys.executable, "-m", "amber_store.cli"]
     ls = subprocess.run([*cli, "ls", uri], capture_output=True, text=True, timeout=120).stdout
-    assert "uncommitted: 1 attempt(s) of saves that never committed hold" in ls and f"amber-store gc {uri}" in ls
+    assert "uncommitted: 1 attempt(s) no committed step uses hold" in ls and f"amber-store gc {uri}" in ls
     du = json.loads(subprocess.run([*cli, "du", uri, "--json"], capture_output=True, text=True, timeout=120).stdout)
     on_disk = sum(f.stat().st_size for f in (tmp_path / "ckpt" / stray.group).rglob("*") if f.is_file())
     assert du["uncommitted"] == {"attempts": 1, "maybe_saving": 0, "bytes": on_disk}

@@ -379,7 +379,7 @@ def test_every_object_store_backend_is_reached_by_its_schemes():
     from amber_store.storage import backend_class
     from amber_store.storage.azure import AzureBackend
     from amber_store.storage.gcs import GCSBackend
-    from amber_store.storage.s3 import S3Backend
+    from amber_store.storage.s3_obstore import ObstoreS3Backend
 
-    for cls in (S3Backend, GCSBackend, AzureBackend):
+    for cls in (ObstoreS3Backend, GCSBackend, AzureBackend):  # (s3fs: by an option of s3://)
         assert all(backend_class(scheme) is cls for scheme in cls.schemes)

@@ -3,7 +3,8 @@
 =================================  ===========================================================
 ``/path``, ``file:///path``        :mod:`~amber_store.storage.local` (NVMe, shared filesystems)
 ``memory://name``                  :mod:`~amber_store.storage.memory` (this process)
-``s3://bucket/prefix``             :mod:`~amber_store.storage.s3` (AWS S3, MinIO, SeaweedFS)
+``s3://bucket/prefix``             :mod:`~amber_store.storage.s3_obstore` (AWS S3, MinIO, SeaweedFS;
+                                   ``client="s3fs"``: :mod:`~amber_store.storage.s3`)
 a zarr store object                :mod:`~amber_store.storage.zarrstore` (zarr's API as it is)
 =================================  ===========================================================
 

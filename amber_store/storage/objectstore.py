@@ -127,6 +127,10 @@ class ObjectStoreBackend(Backend):
         """The conditional create of one small object."""
         await self.fs._pipe_file(path, data, mode="create", **self.integrity(data))
 
+    async def remove(self, key: str) -> None:
+        """Delete one object (the probe of :meth:`require_conditional_writes`)."""
+        await self.fs._rm_file(self.key_path(key))
+
     def exists_error(self, e: OSError) -> bool:
         """Whether ``e`` (not a FileExistsError) still says that a create lost to an existing
         object: clients map a service's answer to FileExistsError only when they recognize
@@ -178,7 +182,7 @@ class ObjectStoreBackend(Backend):
                 raise StorageAccessError(f"{self.uri}: cannot write here ({reason(e)})") from None
             finally:
                 with suppress(FileNotFoundError):
-                    await self.fs._rm_file(self.key_path(key))
+                    await self.remove(key)
         if not _CONDITIONAL[verdict]:
             raise UnsafeStorageError(
                 f"{self.uri}: the server at {self.endpoint} ignores conditional writes ({self.condition}), so "

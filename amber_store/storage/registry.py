@@ -18,8 +18,8 @@ from .base import Backend
 BACKENDS: dict[str, str] = {
     "file": "amber_store.storage.local:LocalBackend",
     "memory": "amber_store.storage.memory:MemoryBackend",
-    "s3": "amber_store.storage.s3:S3Backend",
-    "s3a": "amber_store.storage.s3:S3Backend",
+    "s3": "amber_store.storage.s3_obstore:ObstoreS3Backend",
+    "s3a": "amber_store.storage.s3_obstore:ObstoreS3Backend",
     "gs": "amber_store.storage.gcs:GCSBackend",
     "gcs": "amber_store.storage.gcs:GCSBackend",
     "az": "amber_store.storage.azure:AzureBackend",
