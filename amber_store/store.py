@@ -47,10 +47,10 @@ from .writer import Writer
 
 Mode = Literal["r", "a", "w"]
 #: save_async warns (once) when back-pressure has held training up for more than this share of
-#: its time since the first save_async, and for longer than BACKPRESSURE_WARN_SECONDS in all:
+#: its time since the first save finished, and for longer than BACKPRESSURE_WARN_SECONDS in all:
 #: a wait that matters against the step time, not a first save's warm-up
 BACKPRESSURE_WARN_SHARE = 0.1
-BACKPRESSURE_WARN_SECONDS = 1.0
+BACKPRESSURE_WARN_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class Store:
         self._submitted: int | None = None
         self._background = Background(self.options.max_pending)
         self._warned_backpressure = False
-        self._waits: tuple[float, float] | None = None  # (first save_async, seconds held up since)
+        self._waits: tuple[float, float] | None = None  # (when the clock started, seconds held up since)
+        self._saves_async = 0
         self._snapshots = Snapshots(self.options.snapshot)
         self._walked = fmt.FlattenMemo()  # the last state saved, as flatten found it
         self._saving = threading.Lock()  # one save at a time: its checks against the history assume so
@@ -219,13 +220,20 @@ class Store:
         return self._background.submit(step, work, lambda: self._snapshots.give_back(snapshot))
 
     def _warn_if_held_up(self, step: int, waited: float, now: float) -> None:
-        first, held = self._waits or (now - waited, 0.0)
-        self._waits = (first, held + waited)
+        # The clock starts once the first save is done: waiting for it is warm-up (a full step,
+        # kernels loading), not a checkpoint interval too short.
+        self._saves_async += 1
+        if self._saves_async <= 2:
+            self._waits = (now, 0.0)
+            return
+        first, held = self._waits or (now, 0.0)
+        held += waited
+        self._waits = (first, held)
         elapsed = now - first
-        if self._warned_backpressure or held + waited <= max(BACKPRESSURE_WARN_SECONDS, BACKPRESSURE_WARN_SHARE * elapsed):
+        if self._warned_backpressure or held <= max(BACKPRESSURE_WARN_SECONDS, BACKPRESSURE_WARN_SHARE * elapsed):
             return
         self._warned_backpressure = True
-        warn(f"{self.uri}: by step {step}, training has waited {held + waited:.1f} s of {elapsed:.1f} s for checkpoints "
+        warn(f"{self.uri}: by step {step}, training has waited {held:.1f} s of {elapsed:.1f} s for checkpoints "
              f"to finish (max_pending={self._background.max_pending}): they take longer than the interval between "
              "them. Save less often, raise max_pending (one more snapshot of host memory each), or use faster "
              "storage. (Warned once per store.)")

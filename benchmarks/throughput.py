@@ -49,21 +49,22 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
 
 
 def amber_run(uri: Callable[[], str], opts: dict | None, state: dict, updated: dict) -> dict[str, Any]:
-    """One full save, one delta save, one load of the delta step, into a fresh store."""
+    """One full save, one delta save, one load of each step, into a fresh store."""
     where = uri()
     with amber.open(where, opts, mode="w") as store:
         full, full_info = clock(lambda: store.save(1, state))
         delta, delta_info = clock(lambda: store.save(2, updated))
     with amber.open(where, opts, mode="r") as reader:
+        load_full = clock(lambda: reader.load(1, lazy=False))[0]
         load = clock(lambda: reader.load(2, lazy=False))[0]
-    return {"full": full, "delta": delta, "load": load, "full_ratio": full_info.ratio,
+    return {"full": full, "delta": delta, "load_full": load_full, "load": load, "full_ratio": full_info.ratio,
             "delta_ratio": delta_info.ratio}
 
 
 def torch_file_run(path: Path, state: dict) -> dict[str, Any]:
     save = clock(lambda: torch.save(state, path))[0]
     load = clock(lambda: torch.load(path))[0]
-    return {"full": save, "delta": save, "load": load, "full_ratio": 1.0, "delta_ratio": 1.0}
+    return {"full": save, "delta": save, "load_full": load, "load": load, "full_ratio": 1.0, "delta_ratio": 1.0}
 
 
 def torch_s3_run(server: SeaweedFS, state: dict) -> dict[str, Any]:
@@ -82,7 +83,8 @@ def torch_s3_run(server: SeaweedFS, state: dict) -> dict[str, Any]:
     t_save = clock(save)[0]
     t_load = clock(load)[0]
     client.delete_object(Bucket="bench", Key=key)
-    return {"full": t_save, "delta": t_save, "load": t_load, "full_ratio": 1.0, "delta_ratio": 1.0}
+    return {"full": t_save, "delta": t_save, "load_full": t_load, "load": t_load, "full_ratio": 1.0,
+            "delta_ratio": 1.0}
 
 
 def main() -> None:
@@ -121,14 +123,14 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"state: {mb:.0f} MB float32 in {len(state)} tensors; {args.repeats} interleaved runs, "
           "MB/s median (range); SeaweedFS on this machine's loopback\n")
-    print(table(["method", "full save MB/s", "delta save MB/s", "load delta step MB/s", "full size ratio",
-                 "delta size ratio"],
-                [[name, rate(mb, r["full"]), rate(mb, r["delta"]), rate(mb, r["load"]),
+    print(table(["method", "full save MB/s", "delta save MB/s", "load full step MB/s", "load delta step MB/s",
+                 "full size ratio", "delta size ratio"],
+                [[name, rate(mb, r["full"]), rate(mb, r["delta"]), rate(mb, r["load_full"]), rate(mb, r["load"]),
                   f"{r['full_ratio'][0]:.2f}x", f"{r['delta_ratio'][0]:.2f}x"] for name, r in results.items()]))
     ts, local, ts3, s3r, s3fs = (results[n] for n in names)
     print()
-    for what in ("full", "delta", "load"):
-        print(f"{what:>5}: amber S3 / amber local = {median_rate(mb, s3r[what]) / median_rate(mb, local[what]):.2f}; "
+    for what in ("full", "delta", "load_full", "load"):
+        print(f"{what:>9}: amber S3 / amber local = {median_rate(mb, s3r[what]) / median_rate(mb, local[what]):.2f}; "
               f"amber S3 / torch.save S3 = {median_rate(mb, s3r[what]) / median_rate(mb, ts3[what]):.2f}; "
               f"obstore / s3fs = {median_rate(mb, s3r[what]) / median_rate(mb, s3fs[what]):.2f}; "
               f"amber local / torch.save local = {median_rate(mb, local[what]) / median_rate(mb, ts[what]):.2f} "

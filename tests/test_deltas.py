@@ -367,3 +367,41 @@ def test_a_pack_mixing_entropy_coded_and_lossless_deltas_still_compresses_the_lo
     # Most of this part is entropy-coded, which blosc would only frame (level 0, lz4 named):
     # that would store the lossless deltas raw. zstd codes them and costs the codes nothing.
     assert blosc_settings(frame)[0] == "Zstd" and frame[2] >> 5 == 4
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_lossless_diffs_by_numpy_while_the_kernels_warm_are_the_kernels_bits(width):
+    from amber_store.codecs import kernels, warmup
+
+    rng = np.random.default_rng(width)
+    info = np.iinfo(f"i{width}")
+    value, base = (rng.integers(info.min, info.max, 4096, dtype=f"i{width}", endpoint=True) for _ in range(2))
+    value[:4], base[:4] = [info.min, info.max, 0, -1], [info.max, info.min, info.min, info.max]  # wrap both ways
+    compiled, by_numpy = np.empty_like(value), np.empty_like(value)
+    kernels.zigzag_diff(compiled, value, base, 64 - 8 * width)
+    warmup.zigzag_diff(by_numpy, value, base)
+    assert np.array_equal(compiled, by_numpy)
+    low = (1 << (8 * width - 1)) - 1
+    restored = [base.copy(), base.copy()]
+    kernels.unzigzag_add(restored[0], compiled, low)
+    warmup.unzigzag_add(restored[1], compiled, low)
+    assert np.array_equal(restored[0], value) and np.array_equal(restored[1], value)
+
+
+def test_steps_saved_or_loaded_before_the_kernels_are_warm_are_the_same_bytes_and_bits(tmp_path, monkeypatch):
+    from amber_store.codecs import warmup
+
+    g = torch.Generator().manual_seed(0)
+    s1 = {"w": torch.randn(512, 512, generator=g), "h": torch.randn(512, 256, generator=g).half()}
+    s2 = {k: v + 1e-3 * torch.randn(v.shape, generator=g).to(v.dtype) for k, v in s1.items()}
+    stored = {}
+    for path in ("numpy", "kernels"):
+        monkeypatch.setattr(warmup, "ready", lambda: path == "kernels")
+        store = amber.open(tmp_path / path, pack_threshold=0, chunk_bytes=1 << 18)
+        store.save(1, s1)
+        store.save(2, s2)
+        stored[path] = {k: stored_chunk(tmp_path / path, store, 2, k)[0].read_bytes() for k in s2}
+    assert stored["numpy"] == stored["kernels"]  # one format, whichever path wrote it
+    for writer, reader in (("numpy", "kernels"), ("kernels", "numpy")):
+        monkeypatch.setattr(warmup, "ready", lambda: reader == "kernels")
+        assert_tree_bit_equal(amber.open(tmp_path / writer, mode="r").load(2, lazy=False), s2)

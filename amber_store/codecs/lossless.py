@@ -12,6 +12,7 @@ import torch
 
 from ..format import TensorEntry, bits_to_numpy, to_bits
 from .base import Delta, ElementwiseDeltaCodec, Finish, Shuffle
+from . import warmup
 from .device import to_host
 
 
@@ -98,7 +99,7 @@ class DiffDeltaCodec(LosslessDeltaCodec):
     of its spread: 1.63x (lz4), 1.78x (zstd); XOR 1.71x (zstd). So large tensors' chunks take
     lz4 (the throughput of a save) and packs of small tensors zstd (:class:`Compression`).
     On the host both directions are one compiled pass per chunk (:mod:`amber_store.codecs.kernels`),
-    a fraction of compression's time.
+    a fraction of compression's time; numpy's ufuncs until those are warm (:mod:`.warmup`).
     """
 
     name: ClassVar[str] = "amber.diff_delta"
@@ -110,12 +111,17 @@ class DiffDeltaCodec(LosslessDeltaCodec):
         return "bitshuffle" if cname == "lz4" else "shuffle"
 
     def encode_into(self, out: np.ndarray, value: np.ndarray, base: np.ndarray) -> None:
+        if not warmup.ready():
+            return warmup.zigzag_diff(_into(out), _signed(value), _signed(base))
         from . import kernels
         kernels.zigzag_diff(_into(out), _signed(value), _signed(base), 64 - 8 * out.itemsize)
 
     def apply_into(self, out: np.ndarray, stored: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> None:
+        low = (1 << (8 * out.itemsize - 1)) - 1
+        if not warmup.ready():
+            return warmup.unzigzag_add(_into(out), _signed(stored), low)
         from . import kernels
-        kernels.unzigzag_add(_into(out), _signed(stored), (1 << (8 * out.itemsize - 1)) - 1)
+        kernels.unzigzag_add(_into(out), _signed(stored), low)
 
     def _delta(self, bits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         d = (bits - base).view(_SIGNED_TORCH[bits.element_size()])

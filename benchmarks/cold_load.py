@@ -1,0 +1,118 @@
+"""Loads the way a resume runs them: each in a fresh process, beside ``torch.load`` of the same
+state in a fresh process, with the imports timed apart; and the same loads warm (the fifth load
+in one process), which is what the other benchmarks time.
+
+A local store (page cache warm: every file was just written) holds a full step and a delta step
+of a GPT-like fp32 state; torch.save wrote the delta step's state to one file. Each round runs
+every case once in its own process, in an order rotated from round to round; figures are
+medians (and ranges) over rounds.
+
+    python benchmarks/cold_load.py --mb 1024 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import machine, table  # noqa: E402
+
+CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+import torch, amber_store as amber
+from amber_store import store  # (amber_store imports its modules lazily)
+imports = time.perf_counter() - t0
+kind, root, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out = []
+for _ in range(repeats):
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    if kind == "torch.load":
+        state = torch.load(f"{root}/state.pt", weights_only=True)
+    else:
+        state = amber.open(f"{root}/store", mode="r").load(1 if kind == "full step" else 2, lazy=False)
+    t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    out.append({"seconds": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime})
+    del state
+print(json.dumps({"imports": imports, "loads": out}))
+"""
+CASES = ["torch.load", "full step", "delta step"]
+
+
+def prepare(root: Path, mb: int) -> None:
+    import torch
+
+    import amber_store as amber
+
+    g = torch.Generator().manual_seed(0)
+    width = 2048
+    state = {f"layer{i}": torch.randn(width, width, generator=g) * 0.02 for i in range(max(1, (mb << 20) // (4 * width * width)))}
+    with amber.open(root / "store", mode="w") as store:
+        store.save(1, state)
+        for t in state.values():
+            t.add_(torch.randn(t.shape, generator=g) * 1e-4)
+        store.save(2, state)
+    torch.save(state, root / "state.pt")
+
+
+def child(kind: str, root: Path, repeats: int) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, kind, str(root), str(repeats)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    return json.loads(proc.stdout)
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=1024, help="state size in MiB")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="amber-cold-"))
+    cold: dict[str, list[dict]] = {k: [] for k in CASES}
+    imports: dict[str, list[float]] = {k: [] for k in CASES}
+    warm: dict[str, list[dict]] = {k: [] for k in CASES}
+    try:
+        prepare(root, args.mb)
+        for r in range(args.rounds):
+            for kind in CASES[r % len(CASES):] + CASES[: r % len(CASES)]:
+                got = child(kind, root, 1)
+                cold[kind].append(got["loads"][0])
+                imports[kind].append(got["imports"])
+        for kind in CASES:  # warm: the fifth load of one process
+            warm[kind] = [child(kind, root, 5)["loads"][-1] for _ in range(max(1, args.rounds // 2))]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    base = statistics.median(x["seconds"] for x in cold["torch.load"])
+    base_warm = statistics.median(x["seconds"] for x in warm["torch.load"])
+    print(f"`python benchmarks/cold_load.py --mb {args.mb} --rounds {args.rounds}`; machine: {machine()}; "
+          f"state {args.mb} MiB fp32 (a full step and a delta step 1e-4 of the weights' scale apart); page cache warm\n")
+    rows = []
+    for kind in CASES:
+        secs = [x["seconds"] for x in cold[kind]]
+        rows.append([kind, spread(secs), f"{statistics.median(secs) / base:.2f}x",
+                     f"{statistics.median(x['user'] for x in cold[kind]):.2f}",
+                     f"{statistics.median(x['sys'] for x in cold[kind]):.2f}", spread(imports[kind]),
+                     spread([x["seconds"] for x in warm[kind]]),
+                     f"{statistics.median(x['seconds'] for x in warm[kind]) / base_warm:.2f}x"])
+    print(table(["load", "fresh process s", "vs torch.load", "user s", "sys s", "imports s", "warm s",
+                 "warm vs torch.load"], rows))
+    if args.json:
+        args.json.write_text(json.dumps({"mb": args.mb, "cold": cold, "imports": imports, "warm": warm}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
