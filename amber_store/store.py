@@ -47,7 +47,7 @@ from .writer import Writer
 
 Mode = Literal["r", "a", "w"]
 #: save_async warns (once) when back-pressure has held training up for more than this share of
-#: its time since the first save finished, and for longer than BACKPRESSURE_WARN_SECONDS in all:
+#: its time since the first two saves finished, and for longer than BACKPRESSURE_WARN_SECONDS in all:
 #: a wait that matters against the step time, not a first save's warm-up
 BACKPRESSURE_WARN_SHARE = 0.1
 BACKPRESSURE_WARN_SECONDS = 3.0
@@ -220,10 +220,11 @@ class Store:
         return self._background.submit(step, work, lambda: self._snapshots.give_back(snapshot))
 
     def _warn_if_held_up(self, step: int, waited: float, now: float) -> None:
-        # The clock starts once the first save is done: waiting for it is warm-up (a full step,
-        # kernels loading), not a checkpoint interval too short.
+        # The clock starts once the first two saves are done: waiting for them is warm-up (a
+        # full step; the first delta's kernels loading, or compiling on a fresh install: 7 s),
+        # not a checkpoint interval too short.
         self._saves_async += 1
-        if self._saves_async <= 2:
+        if self._saves_async <= 3:
             self._waits = (now, 0.0)
             return
         first, held = self._waits or (now, 0.0)
