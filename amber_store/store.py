@@ -86,7 +86,7 @@ class Store:
         self._submitted: int | None = None
         self._background = Background(self.options.max_pending)
         self._warned_backpressure = False
-        self._waits: tuple[float, float] | None = None  # (when the clock started, seconds held up since)
+        self._waits = (0.0, 0.0)  # (when the clock started, seconds held up since)
         self._saves_async = 0
         self._snapshots = Snapshots(self.options.snapshot)
         self._walked = fmt.FlattenMemo()  # the last state saved, as flatten found it
@@ -227,7 +227,7 @@ class Store:
         if self._saves_async <= 3:
             self._waits = (now, 0.0)
             return
-        first, held = self._waits or (now, 0.0)
+        first, held = self._waits
         held += waited
         self._waits = (first, held)
         elapsed = now - first

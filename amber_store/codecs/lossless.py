@@ -111,17 +111,19 @@ class DiffDeltaCodec(LosslessDeltaCodec):
         return "bitshuffle" if cname == "lz4" else "shuffle"
 
     def encode_into(self, out: np.ndarray, value: np.ndarray, base: np.ndarray) -> None:
-        if not warmup.ready():
-            return warmup.zigzag_diff(_into(out), _signed(value), _signed(base))
-        from . import kernels
-        kernels.zigzag_diff(_into(out), _signed(value), _signed(base), 64 - 8 * out.itemsize)
+        if warmup.ready():
+            from . import kernels
+            kernels.zigzag_diff(_into(out), _signed(value), _signed(base), 64 - 8 * out.itemsize)
+        else:
+            warmup.zigzag_diff(_into(out), _signed(value), _signed(base))
 
     def apply_into(self, out: np.ndarray, stored: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> None:
         low = (1 << (8 * out.itemsize - 1)) - 1
-        if not warmup.ready():
-            return warmup.unzigzag_add(_into(out), _signed(stored), low)
-        from . import kernels
-        kernels.unzigzag_add(_into(out), _signed(stored), low)
+        if warmup.ready():
+            from . import kernels
+            kernels.unzigzag_add(_into(out), _signed(stored), low)
+        else:
+            warmup.unzigzag_add(_into(out), _signed(stored), low)
 
     def _delta(self, bits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         d = (bits - base).view(_SIGNED_TORCH[bits.element_size()])
