@@ -88,18 +88,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
         print(f"{r['step']:>10} {r['kind']:>5} {base:>10} {r['created']:>19} {_human(r['nbytes_raw']):>10} "
               f"{_human(r['nbytes_stored']):>10} {ratio:>8} {r['tensors']:>7}  {','.join(r['pins'])}")
-    strays = _sync(history.stray_attempts())
-    if strays:
-        print(_strays(args, len(strays), sum(_sync(history.attempt_bytes(a.group)) for a in strays),
-                      sum(a.maybe_saving for a in strays)))
+    stray = _sync(history.uncommitted())
+    if stray["attempts"]:
+        print(_strays(args, stray))
     return 0
 
 
-def _strays(args: argparse.Namespace, attempts: int, nbytes: int, young: int) -> str:
+def _strays(args: argparse.Namespace, stray: dict[str, int]) -> str:
     """A line on the data of attempts no committed step uses (dead saves, or folds of a gc that
-    died), and what removes it."""
+    died: :meth:`History.uncommitted`), and what removes it."""
+    young = stray["maybe_saving"]
     note = f"; {young} of them may be a save in progress (gc spares those for an hour)" if young else ""
-    return (f"uncommitted: {attempts} attempt(s) no committed step uses hold {_human(nbytes)}, which "
+    return (f"uncommitted: {stray['attempts']} attempt(s) no committed step uses hold {_human(stray['bytes'])}, which "
             f"`amber-store gc {args.uri}` deletes{note}")
 
 
@@ -235,7 +235,7 @@ def cmd_du(args: argparse.Namespace) -> int:
     print("by group: " + ", ".join(f"{g} {_human(b)}" for g, b in sorted(du["groups"].items())))
     stray = du["uncommitted"]
     if stray["attempts"]:
-        print(_strays(args, stray["attempts"], stray["bytes"], stray["maybe_saving"]))
+        print(_strays(args, stray))
     for step, b in du["steps"].items():
         print(f"{step:>10} {_human(b):>10}")
     return 0

@@ -93,6 +93,12 @@ class Attempt:
     maybe_saving: bool
 
 
+def _young(created: float | bool | None, grace_seconds: float) -> bool:
+    """Whether an attempt group created at ``created`` (:meth:`History.created`) may still be
+    written by a save: younger than ``grace_seconds``, or of no known age."""
+    return not isinstance(created, float) or time.time() - created < grace_seconds
+
+
 class History:
     """Committed steps of one store, read through a manifest cache (:data:`MANIFEST_CACHE`).
 
@@ -443,10 +449,8 @@ class History:
             for key, e in m.tensors.items():
                 group = names.get(key, key).split("/", 1)[0]
                 by_group[group] = by_group.get(group, 0) + e.stored
-        strays = await self.stray_attempts()
         return {"total": sum(by_step.values()), "steps": by_step, "groups": by_group,
-                "uncommitted": {"attempts": len(strays), "maybe_saving": sum(a.maybe_saving for a in strays),
-                                "bytes": sum([await self.attempt_bytes(a.group) for a in strays])},
+                "uncommitted": await self.uncommitted(),
                 "storage": await self.backend.footprint()}
 
     # --- attempts no commit uses ------------------------------------------------------------
@@ -477,8 +481,7 @@ class History:
             created = await self.created(group)
             if created is None:
                 return None  # nothing left of it
-            young = step > latest and (created is False or time.time() - created < grace_seconds)
-            return Attempt(group, step, young)
+            return Attempt(group, step, step > latest and _young(created, grace_seconds))
 
         with storage_errors(self.uri, "reading the attempts"):
             found = await gather(attempt(*c) for c in candidates)
@@ -487,8 +490,14 @@ class History:
     async def maybe_in_progress(self, group: str, grace_seconds: float) -> bool:
         """Whether an attempt group is younger than ``grace_seconds`` (a group without its
         zarr.json, or without a time in it, has only just begun)."""
-        created = await self.created(group)
-        return not isinstance(created, float) or time.time() - created < grace_seconds
+        return _young(await self.created(group), grace_seconds)
+
+    async def uncommitted(self) -> dict[str, int]:
+        """What :meth:`stray_attempts` hold: ``attempts``, how many of them ``maybe_saving``,
+        and their ``bytes``."""
+        strays = await self.stray_attempts()
+        return {"attempts": len(strays), "maybe_saving": sum(a.maybe_saving for a in strays),
+                "bytes": sum([await self.attempt_bytes(a.group) for a in strays])}
 
     async def created(self, group: str) -> float | bool | None:
         """When an attempt group was created, from its zarr.json: ``None`` without one,
