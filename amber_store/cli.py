@@ -133,9 +133,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     if any(t["packed"] for t in info["tensors"].values()):
         print("~: packed with the step's other small tensors, compressed together: a share of the pack by raw "
               "size, not a measurement")
+    notes: dict[str, list[str]] = {}  # (thousands of tensors may share one, e.g. full_above's)
     for key, t in info["tensors"].items():
         if t["note"]:
-            print(f"note: {key}: {t['note']}")
+            notes.setdefault(t["note"], []).append(key)
+    for note, keys in notes.items():
+        named = keys[0] if len(keys) == 1 else f"{len(keys)} tensors ({', '.join(keys[:3])}{', ...' * (len(keys) > 3)})"
+        print(f"note: {named}: {note}")
     return 0
 
 

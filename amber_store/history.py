@@ -563,7 +563,7 @@ def _logical(items: dict[str, dict[str, Any]], layout: shards.Layout) -> dict[st
 
 
 def _full_in_delta(e: TensorEntry, was: TensorEntry | None, base: Manifest | None) -> str | None:
-    """Why a tensor of a delta step was stored whole, when it was not diffed by choice."""
+    """Why a tensor of a delta step was stored whole."""
     if base is None or e.encoding != "full":
         return None
     if was is None:
@@ -571,7 +571,7 @@ def _full_in_delta(e: TensorEntry, was: TensorEntry | None, base: Manifest | Non
     if (list(was.shape), was.dtype) != (list(e.shape), e.dtype):
         return (f"stored full: {was.dtype}{list(was.shape)} at base step {base.step}, "
                 f"now {e.dtype}{list(e.shape)}")
-    return None
+    return f"stored full: its delta against base step {base.step} no longer paid (full_above)"
 
 
 def pin_key(name: str) -> str:

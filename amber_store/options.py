@@ -31,6 +31,11 @@ class Options:
             lowest set bit cleared), so reading any step touches at most
             ``log2(full_every) + 1`` objects. ``"chain"``: the previous step (smallest deltas;
             reads walk up to ``full_every`` objects).
+        full_above: a tensor is stored full in a delta step once its delta does not pay for the
+            layer it adds to every read: when, in the step before, its delta against the same
+            base stored more than this share of the base's bytes (deltas against a fixed base
+            only grow as training drifts; measured, benchmarks/policies.py). A read of it then
+            decodes one layer instead of two, for a few more stored bytes. ``None``: never.
         chunk_bytes: size of one chunk (the unit of lazy reads and of parallel compression).
             ``None`` (default): 4 MiB for tensors with a lossless codec, 1 MiB for lossy ones
             (a quantizer's scale is per chunk) and for a pack's parts. A delta keeps its base's
@@ -70,6 +75,7 @@ class Options:
 
     full_every: int = 10
     base_policy: BasePolicy = "auto"
+    full_above: float | None = 0.9
     chunk_bytes: int | None = None
     pack_threshold: int = fmt.DEFAULT_PACK_THRESHOLD
     compressor: str = "auto"
@@ -92,6 +98,8 @@ class Options:
             raise ValueError("full_every must be >= 1")
         if self.base_policy not in BASE_POLICIES:
             raise ValueError(f"base_policy must be one of {sorted(BASE_POLICIES)}, not {self.base_policy!r}")
+        if self.full_above is not None and not self.full_above > 0:
+            raise ValueError(f"full_above must be a positive share or None, not {self.full_above!r}")
         if not (self.save_timeout in ("auto", None)
                 or (isinstance(self.save_timeout, (int, float)) and self.save_timeout > 0)):
             raise ValueError(f"save_timeout must be 'auto', None or a positive number of seconds, not "

@@ -316,7 +316,7 @@ class Writer:
         lossless one under ``"auto"`` in a delta step, keeps no copy: :meth:`kept_as_base`);
         ``desc`` labels a progress bar (``progress=True``)."""
         codecs = self.codecs_for(tensors)
-        refs = self.tensor_bases(plan.bases, codecs, cache)
+        refs = self.tensor_bases(plan, codecs, cache)
         keep = self.kept_as_base(plan.depth)
         items = tqdm(tensors.items(), desc=desc, unit="tensor", disable=desc is None or not self.options.progress)
         for key, tensor in items:
@@ -326,19 +326,46 @@ class Writer:
         """The delta codec of each tensor under this store's codec policy."""
         return {key: self.options.policy.for_tensor(key, fmt.dtype_name(t.dtype), t.numel()) for key, t in tensors.items()}
 
-    def tensor_bases(self, bases: dict[str, int], codecs: dict[str, DeltaCodec],
+    def tensor_bases(self, plan: StepPlan, codecs: dict[str, DeltaCodec],
                      cache: BaseCache | None = None) -> dict[str, Base | None]:
-        """Each tensor's base: the step its codec's parent rule picked in ``bases``
-        (:meth:`History.base_steps`; lossless and lossy tensors may differ under ``"auto"``)."""
+        """Each tensor's base: the step its codec's parent rule picked in ``plan.bases``
+        (:meth:`History.base_steps`; lossless and lossy tensors may differ under ``"auto"``),
+        unless its delta no longer pays (:meth:`_unpaid`): then none, and it is stored full."""
         keys: dict[int, list[str]] = {}
         for key, codec in codecs.items():
-            base = bases.get(parent_policy(self.options.base_policy, codec.lossless))
+            base = plan.bases.get(parent_policy(self.options.base_policy, codec.lossless))
             if base is not None:
                 keys.setdefault(base, []).append(key)
         refs: dict[str, Base | None] = {}
         for base, some in keys.items():
-            refs.update(self.bases_for(sync(self.history.manifest(base)), some, cache))
+            full = sync(self._unpaid(plan.latest, base, some))
+            refs.update(self.bases_for(sync(self.history.manifest(base)), [k for k in some if k not in full], cache))
         return refs
+
+    async def _unpaid(self, latest: int | None, base: int, keys: list[str]) -> set[str]:
+        """Those of ``keys`` to store full rather than diff against ``base`` (``full_above``):
+        in the latest step, their delta stored more than ``full_above`` of the full layer it
+        was read with, or they were stored full there for that reason (their base is older).
+        Packed tensors are always diffed: their pack is one object, read whole either way."""
+        share = self.options.full_above
+        if share is None or latest is None:
+            return set()
+        prev = (await self.history.manifest(latest)).tensors
+        full = set()
+        for key in keys:
+            e, found = prev.get(key), await self.history.holder(base, key)
+            if e is None or found is None or e.encoding == "same":
+                continue
+            if e.encoding == "full":
+                unpaid = found[0] < latest
+            else:
+                _, layer = (await self.history.chain(latest, key))[0]
+                # (a packed tensor's stored bytes are its share of the pack's, not its own)
+                unpaid = (layer.encoding == "full" and e.pack is None and layer.pack is None and layer.stored > 0
+                          and e.stored > share * layer.stored)
+            if unpaid:
+                full.add(key)
+        return full
 
     def bases_for(self, base: Manifest, keys: list[str], cache: BaseCache | None = None) -> dict[str, Base | None]:
         """The value of each of ``keys`` at step ``base`` as host bits, with the entry holding

@@ -156,7 +156,8 @@ def _sharded_saves(rank: int, path: str, port: int) -> None:
                       "step": state["optim"]["state"]["w"]["step"],
                       "exp_avg": distribute_tensor(state["optim"]["state"]["w"]["exp_avg"], mesh, [Shard(0)])}}}}
         dcp.save(placed, storage_writer=AmberStorageWriter(path, step=step, chunk_bytes=64, pack_threshold=160,
-                                                            codec=lossy_policy(), base_policy="chain"))
+                                                            codec=lossy_policy(), base_policy="chain",
+                                                            full_above=None))
     dist.destroy_process_group()
 
 
@@ -165,9 +166,10 @@ def write(path: str) -> None:
     from amber_store.codecs import ans as entropy
 
     # Version 3 packs small tensors: the threshold puts model/w and the lossy tensors in shards
-    # of several chunks and the rest in the pack. "chain" bases keep step 3 "same" as step 2.
+    # of several chunks and the rest in the pack. "chain" bases keep step 3 "same" as step 2;
+    # tensors this small store deltas about as large as their values: keep diffing them.
     store = amber.open(path, mode="w", chunk_bytes=64, pack_threshold=160, codec=lossy_policy(),
-                       base_policy="chain")
+                       base_policy="chain", full_above=None)
     # Readers take every layout of codes at any size; writers store a few codes dense (the
     # gaps' model costs more than it saves), which would leave this tiny store all dense.
     floor, entropy._LAYOUT_MIN_CODES = entropy._LAYOUT_MIN_CODES, 0

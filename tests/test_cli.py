@@ -122,6 +122,17 @@ def test_info_without_a_step_shows_the_latest_and_says_why_a_delta_step_stored_a
     assert "~: packed with the step's other small tensors" in out.stdout
 
 
+def test_info_names_tensors_stored_full_for_one_reason_in_one_note(tmp_path):
+    store = amber.open(tmp_path / "ckpt")
+    for step in (1, 2, 3):  # deltas of fresh noise never pay: from step 3 on, the tensors are stored full
+        store.save(step, {f"w{i}": torch.randn(512, 512) for i in range(5)})
+    out = run("info", str(tmp_path / "ckpt"), "3")
+    assert out.returncode == 0, out
+    notes = [line for line in out.stdout.splitlines() if line.startswith("note:")]
+    assert notes == ["note: 5 tensors (w0, w1, w2, ...): stored full: its delta against base step 1 no longer paid "
+                     "(full_above)"]
+
+
 def test_ls_shows_times_pins_and_no_ratio_for_a_step_that_stored_nothing(tmp_path):
     store = amber.open(tmp_path / "ckpt")
     state = {"w": torch.ones(256)}

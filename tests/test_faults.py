@@ -510,6 +510,7 @@ def test_a_damaged_chunk_in_an_eager_load_raises_once_with_its_chunk_and_nothing
     ({"base_policy": "nearest"}, "base_policy must be one of"),
     ({"save_timeout": -1}, "save_timeout must be 'auto', None or a positive number"),
     ({"max_pending": 0}, "max_pending must be >= 1"),
+    ({"full_above": 0}, "full_above must be a positive share or None"),
     ({"snapshot": "disk"}, "snapshot must be 'host' or 'device'"),
     ({"compressor": "gzip"}, "compressor must be 'auto', 'lz4' or 'zstd'"),
     ({"codec": "zip"}, "unknown codec 'zip'"),

@@ -118,12 +118,11 @@ class DiffDeltaCodec(LosslessDeltaCodec):
             warmup.zigzag_diff(_into(out), _signed(value), _signed(base))
 
     def apply_into(self, out: np.ndarray, stored: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> None:
-        low = (1 << (8 * out.itemsize - 1)) - 1
-        if warmup.ready():
+        if warmup.warm():  # (a load never starts the warm-up: see warmup)
             from . import kernels
-            kernels.unzigzag_add(_into(out), _signed(stored), low)
+            kernels.unzigzag_add(_into(out), _signed(stored), (1 << (8 * out.itemsize - 1)) - 1)
         else:
-            warmup.unzigzag_add(_into(out), _signed(stored), low)
+            warmup.unzigzag_add(_into(out), _signed(stored))
 
     def _delta(self, bits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         d = (bits - base).view(_SIGNED_TORCH[bits.element_size()])
