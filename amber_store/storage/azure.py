@@ -22,7 +22,7 @@ from urllib.parse import SplitResult
 from zarr.core.sync import sync
 
 from ..errors import InvalidURIError
-from .objectstore import FRESH, ObjectStoreBackend
+from .objectstore import FRESH, FsspecObjectStoreBackend
 
 #: per-request bounds (seconds) unless the options name them: a server that stops answering
 #: fails a request after its retries instead of after the SDK's 60 s read timeout, each
@@ -54,7 +54,7 @@ def _close_clients() -> None:
                 finalizer.detach()
 
 
-class AzureBackend(ObjectStoreBackend):
+class AzureBackend(FsspecObjectStoreBackend):
     """An Azure Blob Storage container prefix, whose SDK client makes its requests with
     ``retries`` (``ExponentialRetry``'s arguments) and ``timeouts``."""
 

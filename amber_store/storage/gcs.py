@@ -17,7 +17,7 @@ from urllib.parse import SplitResult
 
 from ..errors import InvalidURIError, StorageAccessError
 from .base import reason
-from .objectstore import FRESH, ObjectStoreBackend
+from .objectstore import FRESH, FsspecObjectStoreBackend
 
 #: bounds on each request (aiohttp ``ClientTimeout`` fields) unless ``requests_timeout`` is
 #: given: a server that stops answering fails a request after its attempts instead of never;
@@ -31,7 +31,7 @@ GCS_RETRIES = 3
 _SINGLE_REQUEST = 50 << 20
 
 
-class GCSBackend(ObjectStoreBackend):
+class GCSBackend(FsspecObjectStoreBackend):
     """A Google Cloud Storage bucket prefix."""
 
     schemes = ("gs", "gcs")

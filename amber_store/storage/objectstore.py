@@ -1,10 +1,12 @@
-"""What S3, GCS and Azure Blob backends share: an fsspec async filesystem under zarr's
-:class:`~zarr.storage.FsspecStore`, bounded metadata writes, the commit as the service's
-conditional create, and a check at open that the server honours it.
+"""What S3, GCS and Azure Blob backends share: bounded metadata writes, the commit as the
+service's conditional create, a check at open that the server honours it, and reachability
+probed with one request (:class:`ObjectStoreBackend`, whatever the client); and, for the
+backends on an fsspec async filesystem under zarr's :class:`~zarr.storage.FsspecStore`, their
+reads and writes (:class:`FsspecObjectStoreBackend`).
 
-A subclass says how to build its filesystem from a URI and the ecosystem's own options, how
-its client reports a lost conditional create, how to probe reachability with one request, and
-how to close and renew its client.
+A subclass says how to build its client from a URI and the ecosystem's own options, how to
+probe reachability with one request and how its client reports a lost conditional create and
+refused credentials; an fsspec one also how to close and renew its client.
 """
 
 from __future__ import annotations
@@ -62,8 +64,7 @@ FRESH: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": Tru
 
 
 class ObjectStoreBackend(Backend):
-    """A bucket (or container) prefix on an object store, through an fsspec filesystem ``fs``;
-    ``path`` is ``bucket/prefix``."""
+    """A bucket (or container) prefix on an object store; ``path`` is ``bucket/prefix``."""
 
     put_timeout: float | None = PUT_TIMEOUT
     #: what the service calls a bucket, for messages
@@ -73,26 +74,19 @@ class ObjectStoreBackend(Backend):
     #: servers known to honour it, for the message that refuses one that does not
     honoured_by: ClassVar[str]
 
-    def __init__(self, fs: Any, path: str, uri: str, read_only: bool, cat_options: dict[str, Any] | None = None) -> None:
-        store = WholeObjectStore(fs, path=path, read_only=read_only)
-        if cat_options:
-            store.cat_options = cat_options
+    def __init__(self, store: Any, uri: str, path: str) -> None:
         super().__init__(store, uri)
-        self.fs = fs
         self.path = path
 
     @classmethod
     def located(cls, uri: str, parts: SplitResult, bucket: str | None = None) -> tuple[str, str]:
-        """The URI as messages name it and the filesystem path (``bucket/prefix``) of ``uri``
-        (``bucket``: the URI's own host part, unless given); refuses a URI without a bucket."""
+        """The URI as messages name it and the path (``bucket/prefix``) of ``uri`` (``bucket``:
+        the URI's own host part, unless given); refuses a URI without a bucket."""
         bucket = parts.netloc if bucket is None else bucket
         scheme = parts.scheme.lower()
         if not bucket:
             raise InvalidURIError(f"{uri}: needs a {cls.container}: {scheme}://{cls.container}/prefix")
         return f"{scheme}://{parts.netloc}{parts.path}".rstrip("/"), f"{bucket}{parts.path}".rstrip("/")
-
-    def key_path(self, key: str) -> str:
-        return f"{self.path}/{key}"
 
     @property
     def bucket(self) -> str:
@@ -102,40 +96,9 @@ class ObjectStoreBackend(Backend):
     def prefix(self) -> str:
         return self.path.partition("/")[2]
 
-    # --- writing ------------------------------------------------------------------------
-
-    def integrity(self, data: bytes) -> dict[str, Any]:
-        """Options of a metadata write that make the server refuse a body that arrived
-        incomplete (a truncated commit), where the client does not check by itself."""
-        return {}
-
-    async def put(self, key: str, data: bytes) -> None:
-        await self.bounded(self.fs._pipe_file(self.key_path(key), data, **self.integrity(data)))
-
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
-        try:
-            await self.bounded(self.create(self.key_path(key), data))
-        except FileExistsError:
-            return False
-        except OSError as e:
-            if self.exists_error(e):
-                return False
-            raise
-        return True
-
-    async def create(self, path: str, data: bytes) -> None:
-        """The conditional create of one small object."""
-        await self.fs._pipe_file(path, data, mode="create", **self.integrity(data))
-
+    @abc.abstractmethod
     async def remove(self, key: str) -> None:
         """Delete one object (the probe of :meth:`require_conditional_writes`)."""
-        await self.fs._rm_file(self.key_path(key))
-
-    def exists_error(self, e: OSError) -> bool:
-        """Whether ``e`` (not a FileExistsError) still says that a create lost to an existing
-        object: clients map a service's answer to FileExistsError only when they recognize
-        its body."""
-        return False
 
     # --- checking -----------------------------------------------------------------------
 
@@ -191,6 +154,54 @@ class ObjectStoreBackend(Backend):
                 "at a time, open it with single_writer=True"
             )
 
+
+class FsspecObjectStoreBackend(ObjectStoreBackend):
+    """An object store through an fsspec async filesystem ``fs`` (s3fs, gcsfs, adlfs)."""
+
+    def __init__(self, fs: Any, path: str, uri: str, read_only: bool, cat_options: dict[str, Any] | None = None) -> None:
+        store = WholeObjectStore(fs, path=path, read_only=read_only)
+        if cat_options:
+            store.cat_options = cat_options
+        super().__init__(store, uri, path)
+        self.fs = fs
+
+    def key_path(self, key: str) -> str:
+        return f"{self.path}/{key}"
+
+    # --- writing ------------------------------------------------------------------------
+
+    def integrity(self, data: bytes) -> dict[str, Any]:
+        """Options of a metadata write that make the server refuse a body that arrived
+        incomplete (a truncated commit), where the client does not check by itself."""
+        return {}
+
+    async def put(self, key: str, data: bytes) -> None:
+        await self.bounded(self.fs._pipe_file(self.key_path(key), data, **self.integrity(data)))
+
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        try:
+            await self.bounded(self.create(self.key_path(key), data))
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if self.exists_error(e):
+                return False
+            raise
+        return True
+
+    async def create(self, path: str, data: bytes) -> None:
+        """The conditional create of one small object."""
+        await self.fs._pipe_file(path, data, mode="create", **self.integrity(data))
+
+    async def remove(self, key: str) -> None:
+        await self.fs._rm_file(self.key_path(key))
+
+    def exists_error(self, e: OSError) -> bool:
+        """Whether ``e`` (not a FileExistsError) still says that a create lost to an existing
+        object: clients map a service's answer to FileExistsError only when they recognize
+        its body."""
+        return False
+
     async def footprint(self) -> dict[str, int]:
         sizes = [info["size"] for info in (await self.fs._find(self.path, detail=True)).values()]
         return {"objects": len(sizes), "bytes": sum(sizes), "allocated": sum(sizes)}
@@ -200,6 +211,7 @@ class ObjectStoreBackend(Backend):
     def close(self) -> None:
         sync(self.renew_client())
 
+    @abc.abstractmethod
     async def renew_client(self) -> None:
         """Close the client's connections and leave a new client (no connection yet) in its
         place, closed in turn when the filesystem goes or at exit."""

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from ..errors import InvalidURIError
-from .objectstore import FRESH, ObjectStoreBackend
+from .objectstore import FRESH, FsspecObjectStoreBackend
 
 #: Defaults for every S3 request (botocore ``Config`` keys; ``storage_options["config_kwargs"]``
 #: overrides them). A read from a server that stops answering fails after its attempts
@@ -35,7 +35,7 @@ S3_TIMEOUTS: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 15,
 S3_RETRIES = 2
 
 
-class S3Backend(ObjectStoreBackend):
+class S3Backend(FsspecObjectStoreBackend):
     """An S3 bucket prefix."""
 
     schemes = ("s3", "s3a")

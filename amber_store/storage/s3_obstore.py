@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 from urllib.parse import SplitResult
 
 from ..errors import InvalidURIError, StorageAccessError
+from .base import Backend
 from .objectstore import ObjectStoreBackend
 
 #: Bounds on every request: to connect, of silence between bytes (a frozen server), and on a
@@ -48,14 +49,13 @@ class ObstoreS3Backend(ObjectStoreBackend):
     def __init__(self, client: Any, bucket: str, prefix: str, uri: str, read_only: bool, endpoint: str) -> None:
         from zarr.storage import ObjectStore
 
+        super().__init__(ObjectStore(client, read_only=read_only), uri, f"{bucket}/{prefix}".rstrip("/"))
         self.client = client
-        self.path = f"{bucket}/{prefix}".rstrip("/")
         self._endpoint = endpoint
-        super(ObjectStoreBackend, self).__init__(ObjectStore(client, read_only=read_only), uri)
 
     @classmethod
     def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any],
-                 read_only: bool) -> ObjectStoreBackend:
+                 read_only: bool) -> Backend:
         opts = dict(storage_options)
         client = opts.pop("client", "obstore")
         if client == "s3fs" or S3FS_ONLY & opts.keys():
