@@ -92,7 +92,7 @@ class Store:
         self._walked = fmt.FlattenMemo()  # the last state saved, as flatten found it
         self._saving = threading.Lock()  # one save at a time: its checks against the history assume so
         self.writer.root_version = sync(self.history.initialize(mode, exclusive_commits=not self.options.single_writer))
-        if mode != "r":
+        if mode != "r" and _first_rank():  # (one rank of a job says it, and pays for the listing)
             self._warn_of_strays()
 
     # --- opening ------------------------------------------------------------------------
@@ -103,9 +103,10 @@ class Store:
         if strays:
             steps = sorted({a.step for a in strays})
             shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+            cli = self.uri if self.history.backend.reopens else "URI"
             warn(f"{self.uri}: {len(strays)} attempt(s) no committed step uses (step(s) {shown}) still hold data, "
-                 f"left by saves or gc runs that died midway; `amber-store gc {self.uri}` deletes them "
-                 "(`amber-store du` says how much)")
+                 f"left by saves or gc runs that died midway; `store.gc()` or `amber-store gc {cli}` deletes them "
+                 f"(`amber-store du {cli}` says how much)")
 
     @property
     def uri(self) -> str:
@@ -455,6 +456,12 @@ def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
             raise ValueError(f"metric {name!r} is {value}: a retention policy cannot rank it")
         out[name] = float(value)
     return out
+
+
+def _first_rank() -> bool:
+    """Whether this process is rank 0 of a torch.distributed job, or in none."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def open(

@@ -6,6 +6,7 @@ import asyncio
 import json
 import mmap
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -561,7 +562,20 @@ def test_ctrl_c_mid_save_deletes_the_attempt_and_a_second_one_exits_with_one_tra
     assert amber.open(tmp_path / "ckpt", mode="r").steps()
 
 
-def test_what_a_killed_save_leaves_is_reported_by_ls_du_and_the_next_writable_open(tmp_path):
+def test_a_stray_attempt_in_a_store_opened_on_a_zarr_store_object_names_no_uri_it_cannot_reopen(tmp_path):
+    store = amber.open(tmp_path / "ckpt")
+    store.save(1, {"w": torch.ones(4)})
+    group = store.manifest(1).group
+    shutil.copytree(tmp_path / "ckpt" / group, tmp_path / "ckpt" / f"{group.rsplit('-', 1)[0]}-deadbeef")
+    with pytest.warns(RuntimeWarning, match=r"1 attempt\(s\) no committed step uses") as caught:
+        amber.open(LocalStore(tmp_path / "ckpt"))
+    message = str(caught[0].message)
+    assert "`store.gc()` or `amber-store gc URI` deletes them (`amber-store du URI` says how much)" in message
+    with pytest.warns(RuntimeWarning, match=rf"`amber-store gc {tmp_path / 'ckpt'}` deletes them"):
+        amber.open(tmp_path / "ckpt")
+
+
+def test_what_a_killed_save_leaves_is_reported_by_ls_du_and_the_next_writable_open(tmp_path, monkeypatch):
     uri = str(tmp_path / "ckpt")
     proc = saving_loop(uri)
     time.sleep(1.0)
@@ -573,6 +587,11 @@ def test_what_a_killed_save_leaves_is_reported_by_ls_du_and_the_next_writable_op
         warnings.simplefilter("error")
         store = amber.open(uri)  # (so nothing to say yet)
     store.save(stray.step, {"w": torch.ones(4)})  # the job restarted and saved that step
+    with monkeypatch.context() as m, warnings.catch_warnings():  # in a torch.distributed job, rank 0 says it
+        m.setattr(torch.distributed, "is_initialized", lambda: True)
+        m.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+        warnings.simplefilter("error")
+        amber.open(uri)
     with pytest.warns(RuntimeWarning, match=rf"1 attempt\(s\) no committed step uses \(step\(s\) "
                                             rf"{stray.step}\).*amber-store gc") as caught:
         amber.open(uri)

@@ -48,6 +48,8 @@ class Backend(abc.ABC):
     #: seconds a commit or other metadata put outside a save may take (``None``: unbounded,
     #: for storage that cannot hang on a network)
     put_timeout: float | None = None
+    #: whether :attr:`uri` opens the location again (what messages may tell a user to run)
+    reopens: ClassVar[bool] = True
 
     def __init__(self, store: ZarrStore, uri: str) -> None:
         #: zarr's view of the location: the same objects, as any zarr v3 reader sees them

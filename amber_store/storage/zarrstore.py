@@ -18,6 +18,8 @@ class ZarrStoreBackend(Backend):
     store makes it so (two processes racing on a store that does not could both commit one
     step)."""
 
+    reopens = False  # (its uri is the store's repr)
+
     def __init__(self, store: ZarrStore, uri: str | None = None) -> None:
         super().__init__(store, uri or repr(store))
 
