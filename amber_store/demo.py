@@ -82,10 +82,11 @@ class Trainer:
     """Model, AdamW and a deterministic batch stream: step ``i`` always sees the same batch."""
 
     def __init__(self, cfg: GPTConfig | None = None, *, seed: int = 0, batch: int = 16, lr: float = 3e-3,
-                 data: torch.Tensor | None = None, init_seed: int | None = None) -> None:
+                 data: torch.Tensor | None = None, init_seed: int | None = None, weight_decay: float = 0.01,
+                 model: Callable[[GPTConfig | None], nn.Module] = TinyGPT) -> None:
         torch.manual_seed(seed if init_seed is None else init_seed)
-        self.model = TinyGPT(cfg)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
+        self.model = model(cfg)  # (any model of byte sequences with a ``cfg`` of this shape)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.data = corpus() if data is None else data
         self.batch = batch
         self.seed = seed
@@ -97,6 +98,10 @@ class Trainer:
         x = torch.stack([self.data[s : s + n] for s in starts.tolist()]).long()
         y = torch.stack([self.data[s + 1 : s + n + 1] for s in starts.tolist()]).long()
         return x, y
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
 
     def step(self, step: int) -> float:
         x, y = self.batch_at(step)

@@ -1,0 +1,248 @@
+"""The lossy preset on runs nobody tuned it on: three phases of training, two model shapes.
+
+Each trajectory is a model shape (the benchmark GPT, or a causal MLP-mixer), AdamW with a
+learning rate and weight decay, and a phase: the model is trained (uncheckpointed) up to the
+phase's start, then checkpointed every 10 steps for ``--window`` steps into a lossless store and
+one store per lossy policy (``full_every=10``). Each store's last step is restored and trained
+``--resume-steps`` more steps; its held-out loss against the lossless resume's is the fidelity
+figure, and the noise floor is the same figure for the exact state with every float perturbed
+by one part in 10^5 (two seeds). The size figure is the median delta step's bytes against
+torch.save of the state; each delta step's ratio is also plotted against the weights' drift
+from the step it diffs against (RMS change over RMS value; lossy tensors diff by skip list,
+``log``, lossless ones against the segment's full step), which the preset's fixed steps do not
+follow.
+
+    python benchmarks/regimes.py            # ~10 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import amber_store as amber  # noqa: E402
+from amber_store.demo import GPTConfig, TinyGPT, Trainer, corpus  # noqa: E402
+from amber_store.history import AUTO, PARENTS  # noqa: E402
+from benchmarks.common import eval_loss, machine, table  # noqa: E402
+from benchmarks.lossy import _serialized, perturbed  # noqa: E402
+
+#: name -> codec policy (the lossless store is the reference)
+POLICIES: dict[str, Any] = {
+    "lossy (preset)": "lossy",
+    "lossy, coarser": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.4)), ("*exp_avg", amber.BlockDeltaCodec(step=12.0)),
+                       ("*", amber.BlockDeltaCodec(step=0.2))],
+}
+
+
+class MixerBlock(nn.Module):
+    """Pre-norm MLP-mixer block over a causal sequence: token mixing by a lower-triangular
+    linear map over positions, then a channel MLP."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.width)
+        self.tokens = nn.Linear(cfg.context, cfg.context)
+        self.ln2 = nn.LayerNorm(cfg.width)
+        self.mlp = nn.Sequential(nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(), nn.Linear(4 * cfg.width, cfg.width))
+        self.register_buffer("causal", torch.tril(torch.ones(cfg.context, cfg.context)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        mixing = (self.tokens.weight * self.causal)[:t, :t]
+        x = x + nn.functional.linear(self.ln1(x).transpose(1, 2), mixing, self.tokens.bias[:t]).transpose(1, 2)
+        return x + self.mlp(self.ln2(x))
+
+
+class Mixer(nn.Module):
+    """A byte-level causal MLP-mixer language model (the second model shape)."""
+
+    def __init__(self, cfg: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg = cfg or GPTConfig()
+        self.tok = nn.Embedding(cfg.vocab, cfg.width)
+        self.blocks = nn.ModuleList(MixerBlock(cfg) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.width)
+        self.head = nn.Linear(cfg.width, cfg.vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+MODELS: dict[str, Callable[[GPTConfig | None], nn.Module]] = {"GPT": TinyGPT, "mixer": Mixer}
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    model: str
+    phase: str
+    #: steps trained before the window (at ``warmup_lr``), and the window's learning rate
+    start: int
+    lr: float
+    weight_decay: float = 0.1
+    warmup_lr: float = 1e-3
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}, {self.phase} (lr {self.lr:g})"
+
+
+def trajectories(model: str, scale: int) -> list[Trajectory]:
+    """Early training at a high learning rate from scratch (the issue's case), mid training, and a
+    late fine-tune at a low learning rate; ``scale`` multiplies the steps trained before."""
+    return [Trajectory(model, "early", 0, 1e-3), Trajectory(model, "mid", 3 * scale, 3e-4),
+            Trajectory(model, "late fine-tune", 4 * scale, 3e-5)]
+
+
+def drift(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> float:
+    """RMS change of the model's parameters over their RMS value."""
+    num = sum(float((new[k].double() - old[k].double()).square().sum()) for k in new)
+    den = sum(float(old[k].double().square().sum()) for k in new)
+    return (num / den) ** 0.5
+
+
+def run_trajectory(traj: Trajectory, args: argparse.Namespace, text: torch.Tensor, root: Path) -> dict[str, Any]:
+    split = int(len(text) * 0.95)
+    train, held_out = text[:split], text[split:]
+    cfg = GPTConfig(width=args.width, layers=args.layers, context=64, heads=4)
+    model = MODELS[traj.model]
+    trainer = Trainer(cfg, batch=16, data=train, lr=traj.warmup_lr, weight_decay=traj.weight_decay, model=model)
+    evaluator = Trainer(cfg, batch=16, data=held_out, model=model)
+    batches = [evaluator.batch_at(10_000 + i) for i in range(16)]
+    for step in range(1, traj.start + 1):
+        trainer.step(step)
+    trainer.set_lr(traj.lr)
+    stores = {name: amber.open(root / f"{len(list(root.iterdir()))}", mode="w", codec=policy, full_every=10,
+                               durable=False) for name, policy in {"lossless": "lossless", **POLICIES}.items()}
+    sizes: dict[str, list[tuple[float, int]]] = {name: [] for name in stores}  # (drift, bytes) per delta step
+    weights: dict[int, dict[str, torch.Tensor]] = {}  # at each checkpoint of the window
+    t0 = time.perf_counter()
+    end = traj.start + args.window
+    for step in range(traj.start + 1, end + 1):
+        trainer.step(step)
+        if step % 10:
+            continue
+        state = trainer.state(step)
+        weights[step] = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+        for name, store in stores.items():
+            info = store.save(step, state)
+            if info.kind == "delta":
+                m = store.manifest(step)
+                base = m.segment[PARENTS[AUTO[name == "lossless"]](m.depth)]
+                sizes[name].append((drift(weights[step], weights[base]), info.nbytes_stored))
+    train_s = time.perf_counter() - t0
+    exact = torch.load(_serialized(trainer.state(end)), weights_only=False)
+    torch_bytes = len(_serialized(exact).getbuffer())
+
+    def resume(state: dict, seed: int = 0) -> float:
+        """Held-out loss after ``--resume-steps`` more steps from ``state`` (mean of the last
+        evaluations, every 25 steps over the last 100)."""
+        t = Trainer(cfg, seed=seed, batch=16, data=train, lr=traj.lr, weight_decay=traj.weight_decay, model=model,
+                    init_seed=1234)
+        t.load(torch.load(_serialized(state), weights_only=False))
+        losses = []
+        for step in range(end + 1, end + args.resume_steps + 1):
+            t.step(step)
+            if (end + args.resume_steps - step) % 25 == 0 and end + args.resume_steps - step <= 100:
+                losses.append(eval_loss(t.model, batches))
+        return statistics.mean(losses)
+
+    reference = resume(exact)
+    floor = [(resume(perturbed(exact, seed)) / reference - 1) * 100 for seed in (1, 2)]
+    out: dict[str, Any] = {"trajectory": traj.name, "params": sum(p.numel() for p in trainer.model.parameters()),
+                           "torch_save_bytes": torch_bytes, "reference_loss": reference, "noise_floor_pct": floor,
+                           "train_s": train_s, "codecs": {}}
+    for name, store in stores.items():
+        per_step = sizes[name]
+        row: dict[str, Any] = {"ratio": torch_bytes / statistics.median(n for _, n in per_step),
+                               "points": [(d, torch_bytes / n) for d, n in per_step]}
+        if name != "lossless":
+            row["loss_change_pct"] = (resume(store.load(end, lazy=False)) / reference - 1) * 100
+        out["codecs"][name] = row
+        store.close()
+    return out
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Ratio against drift, one panel per trajectory, one series per codec."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharex=True, sharey=True)
+    for ax, r in zip(axes.flat, results):
+        for name, row in r["codecs"].items():
+            xs, ys = zip(*row["points"])
+            ax.plot(xs, ys, "o", ms=3, label=name)
+        ax.set_title(r["trajectory"], fontsize=9)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.axhline(50, color="grey", lw=0.5, ls="--")
+        ax.set_xlabel("weights' drift from the delta's base (RMS change / RMS)", fontsize=7)
+    axes[0][0].set_ylabel("delta step: smaller than torch.save (x)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=192)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--window", type=int, default=200, help="steps checkpointed, every 10")
+    p.add_argument("--resume-steps", type=int, default=150)
+    p.add_argument("--scale", type=int, default=100, help="mid starts at 3x, the fine-tune at 4x this many steps")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--plot", type=Path)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    text = corpus(4_000_000)
+    root = Path(tempfile.mkdtemp(prefix="amber-regimes-"))
+    started = time.perf_counter()
+    try:
+        results = [run_trajectory(t, args, text, root) for m in args.models for t in trajectories(m, args.scale)]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"machine: {machine()}")
+    sizes = ", ".join(f"{m} {r['params'] / 1e6:.2f}M" for m, r in zip(args.models, results[::3]))
+    print(f"models: width {args.width}, {args.layers} layers ({sizes} params), AdamW weight decay 0.1, trained at lr 1e-3 before the window; checkpoints every 10 steps for "
+          f"{args.window} steps (full_every=10), then {args.resume_steps} steps resumed from the last; "
+          f"{(time.perf_counter() - started) / 60:.0f} minutes\n")
+    rows = []
+    for r in results:
+        noise = max(abs(f) for f in r["noise_floor_pct"])
+        for name, row in r["codecs"].items():
+            drifts = [d for d, _ in row["points"]]
+            rows.append([r["trajectory"], name, f"{row['ratio']:.1f}x",
+                         f"{row['loss_change_pct']:+.2f}%" if "loss_change_pct" in row else "(reference)",
+                         f"+-{noise:.1e}%", f"{statistics.median(drifts):.2e}"])
+    print(table(["trajectory", "codec", "median delta step, smaller than torch.save", "resumed loss vs lossless",
+                 "noise floor", "median drift from the base"], rows))
+    preset = [r["codecs"]["lossy (preset)"] for r in results]
+    held = [pt for pt in preset if pt["ratio"] >= 50 and abs(pt["loss_change_pct"]) <= 1]
+    print(f"\nthe preset holds >= 50x at <= 1% on {len(held)} of {len(preset)} trajectories")
+    if args.plot:
+        plot(results, args.plot)
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": None, "plot": None}, "results": results},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()
