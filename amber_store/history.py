@@ -416,7 +416,8 @@ class History:
                 "nbytes_raw": e.nbytes,
                 "nbytes_stored": e.stored,
                 "chain": deps,
-                "note": _full_in_delta(e, base.tensors.get(key) if base is not None else None, base),
+                "note": _full_in_delta(e, base.tensors.get(key) if base is not None else None, base,
+                                       m.extra.get("folded")),
             }
         layout = shards.layout_of(m)
         if layout is not None:
@@ -562,8 +563,10 @@ def _logical(items: dict[str, dict[str, Any]], layout: shards.Layout) -> dict[st
     return out
 
 
-def _full_in_delta(e: TensorEntry, was: TensorEntry | None, base: Manifest | None) -> str | None:
-    """Why a tensor of a delta step was stored whole."""
+def _full_in_delta(e: TensorEntry, was: TensorEntry | None, base: Manifest | None,
+                   folded: dict[str, Any] | None = None) -> str | None:
+    """Why a tensor of a delta step was stored whole (``folded``: the manifest's record of gc's
+    fold, if any)."""
     if base is None or e.encoding != "full":
         return None
     if was is None:
@@ -571,6 +574,8 @@ def _full_in_delta(e: TensorEntry, was: TensorEntry | None, base: Manifest | Non
     if (list(was.shape), was.dtype) != (list(e.shape), e.dtype):
         return (f"stored full: {was.dtype}{list(was.shape)} at base step {base.step}, "
                 f"now {e.dtype}{list(e.shape)}")
+    if folded is not None and folded["group"] in f"{e.array} {e.pack}":
+        return f"stored full by gc, which deleted step(s) {folded['from']} of its chain"
     return f"stored full: its delta against base step {base.step} no longer paid (full_above)"
 
 

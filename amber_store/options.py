@@ -32,10 +32,12 @@ class Options:
             ``log2(full_every) + 1`` objects. ``"chain"``: the previous step (smallest deltas;
             reads walk up to ``full_every`` objects).
         full_above: a tensor is stored full in a delta step once its delta does not pay for the
-            layer it adds to every read: when, in the step before, its delta against the same
-            base stored more than this share of the base's bytes (deltas against a fixed base
-            only grow as training drifts; measured, benchmarks/policies.py). A read of it then
-            decodes one layer instead of two, for a few more stored bytes. ``None``: never.
+            layer it adds to every read: when, in the step before, its delta stored more than
+            this share of the full layer its chain starts from, and in the segment's later steps
+            that would diff against an older base (deltas against a fixed base only grow as
+            training drifts; measured, benchmarks/policies.py). Its reads then decode one layer
+            fewer, for a few more stored bytes. Tensors under ``pack_threshold`` always diff
+            (their pack is read whole either way). ``None``: never.
         chunk_bytes: size of one chunk (the unit of lazy reads and of parallel compression).
             ``None`` (default): 4 MiB for tensors with a lossless codec, 1 MiB for lossy ones
             (a quantizer's scale is per chunk) and for a pack's parts. A delta keeps its base's

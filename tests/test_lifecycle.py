@@ -437,3 +437,18 @@ def test_loading_a_chain_longer_than_the_manifest_cache_reads_each_manifest_once
     reader = amber.open(tmp_path / "ckpt", mode="r")
     reader.load(depth, lazy=False)
     assert sorted(reads) == list(range(depth + 1))  # each step of the chain once, for every tensor
+
+
+def test_a_tensor_stored_full_by_a_fold_is_not_said_to_be_full_above():
+    from types import SimpleNamespace
+
+    from amber_store.format import TensorEntry
+    from amber_store.history import _full_in_delta
+
+    was = TensorEntry("float32", [4], [4], "full", None, "steps/000000000001-a/w", [0], 16)
+    full = TensorEntry("float32", [4], [4], "full", None, "steps/000000000003-f/w", [0], 16)
+    base = SimpleNamespace(step=1)
+    fold = {"group": "steps/000000000003-f", "at": 0.0, "from": [2]}
+    assert _full_in_delta(full, was, base, fold) == "stored full by gc, which deleted step(s) [2] of its chain"
+    saved = TensorEntry("float32", [4], [4], "full", None, "steps/000000000003-s/w", [0], 16)  # its own save's group
+    assert "no longer paid (full_above)" in _full_in_delta(saved, was, base, fold)
