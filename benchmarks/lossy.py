@@ -104,15 +104,21 @@ class Run:
         training ``--resume-steps`` more on data stream ``seed`` (0: the run's own), averaged
         over the last 100 steps (6 evaluations): one loss spike at the very end would otherwise
         decide the figure."""
-        last, more = self.args.steps, self.args.resume_steps
         t = Trainer(self.cfg, seed=seed, batch=self.args.batch, data=self.train_text, init_seed=1234)
-        t.load(torch.load(_serialized(state), weights_only=False))
-        losses = []
-        for step in range(last + 1, last + more + 1):
-            t.step(step)
-            if (last + more - step) % 20 == 0 and last + more - step <= 100:
-                losses.append(eval_loss(t.model, self.eval_batches))
-        return statistics.mean(losses)
+        return resumed_loss(t, state, self.args.steps, self.args.resume_steps, self.eval_batches, every=20)
+
+
+def resumed_loss(t: Trainer, state: dict, last: int, more: int, batches: list, every: int) -> float:
+    """Held-out loss (on ``batches``) of trainer ``t`` loaded with (a copy of) ``state``, saved at
+    step ``last``, after ``more`` steps: the mean of its evaluations every ``every`` steps over
+    the last 100."""
+    t.load(torch.load(_serialized(state), weights_only=False))
+    losses = []
+    for step in range(last + 1, last + more + 1):
+        t.step(step)
+        if (last + more - step) % every == 0 and last + more - step <= 100:
+            losses.append(eval_loss(t.model, batches))
+    return statistics.mean(losses)
 
 
 def perturbed(state: dict, seed: int) -> dict:

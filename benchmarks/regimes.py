@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import amber_store as amber  # noqa: E402
 from amber_store.demo import GPTConfig, TinyGPT, Trainer, corpus  # noqa: E402
 from amber_store.history import AUTO, PARENTS  # noqa: E402
-from benchmarks.common import eval_loss, machine, table  # noqa: E402
-from benchmarks.lossy import _serialized, perturbed  # noqa: E402
+from benchmarks.common import machine, table  # noqa: E402
+from benchmarks.lossy import _serialized, perturbed, resumed_loss  # noqa: E402
 
 #: name -> codec policy (the lossless store is the reference)
 POLICIES: dict[str, Any] = {
@@ -154,13 +154,7 @@ def run_trajectory(traj: Trajectory, args: argparse.Namespace, text: torch.Tenso
         evaluations, every 25 steps over the last 100)."""
         t = Trainer(cfg, seed=seed, batch=16, data=train, lr=traj.lr, weight_decay=traj.weight_decay, model=model,
                     init_seed=1234)
-        t.load(torch.load(_serialized(state), weights_only=False))
-        losses = []
-        for step in range(end + 1, end + args.resume_steps + 1):
-            t.step(step)
-            if (end + args.resume_steps - step) % 25 == 0 and end + args.resume_steps - step <= 100:
-                losses.append(eval_loss(t.model, batches))
-        return statistics.mean(losses)
+        return resumed_loss(t, state, end, args.resume_steps, batches, every=25)
 
     reference = resume(exact)
     floor = [(resume(perturbed(exact, seed)) / reference - 1) * 100 for seed in (1, 2)]
