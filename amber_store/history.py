@@ -498,7 +498,7 @@ class History:
         and their ``bytes``."""
         strays = await self.stray_attempts()
         return {"attempts": len(strays), "maybe_saving": sum(a.maybe_saving for a in strays),
-                "bytes": sum([await self.attempt_bytes(a.group) for a in strays])}
+                "bytes": sum(await gather(self.attempt_bytes(a.group) for a in strays))}
 
     async def created(self, group: str) -> float | bool | None:
         """When an attempt group was created, from its zarr.json: ``None`` without one,
