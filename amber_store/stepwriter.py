@@ -426,7 +426,8 @@ class StepWriter:
     def _diff_batch(self, codec: DeltaCodec, dtype: torch.dtype) -> None:
         """Diff a batch of small tensors as one: concatenated, each zero-padded to the codec's
         :attr:`~amber_store.codecs.DeltaCodec.batch_align`, so each one's codes, side codes
-        and reconstruction are what diffing it alone gives."""
+        and reconstruction are what diffing it alone gives (but for a ``BlockDeltaCodec``'s
+        ``drift``, which the batch, one chunk, is measured by: small tensors are few bytes)."""
         batch = self._batches.pop((codec, dtype)).items
         align = codec.batch_align
         spans = [fmt.round_up(item.tensor.numel(), align) for item in batch]

@@ -429,8 +429,9 @@ def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch
 
 @pytest.mark.parametrize("codec", [amber.SparseDeltaCodec(threshold=0.05), amber.QuantizedDeltaCodec(bits=8),
                                    amber.QuantizedDeltaCodec(bits=4), amber.BlockDeltaCodec(step=0.05, block=64),
-                                   amber.BlockDeltaCodec(step=0.01, block=48), amber.RatioDeltaCodec(step=0.02)],
-                         ids=["sparse", "quant8", "quant4", "block", "block-fine", "ratio"])
+                                   amber.BlockDeltaCodec(step=0.01, block=48), amber.BlockDeltaCodec(step=0.05, block=64, drift=0.01),
+                                   amber.RatioDeltaCodec(step=0.02)],
+                         ids=["sparse", "quant8", "quant4", "block", "block-fine", "block-drift", "ratio"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("chunks", [(8, 32), (12, 32)])  # chunks that tile the tensor; a ragged edge chunk
 def test_the_host_kernels_take_the_delta_the_torch_code_takes(monkeypatch, codec, dtype, chunks, device):
@@ -524,6 +525,44 @@ def test_a_lazy_slice_of_a_block_delta_reads_the_same_bits_as_a_whole_load(local
     whole = store.load(2, lazy=False)["w"]
     assert_bit_equal(store.load(2)["w"][137:171], whole[137:171])
     assert store.manifest(2).tensors["w"].array is not None  # sharded, several chunks
+
+
+@pytest.mark.parametrize("moved", [0.004, 0.05, 0.3])
+def test_a_block_delta_with_drift_codes_a_chunk_coarser_by_the_root_of_how_far_it_moved(tmp_path, moved):
+    # two chunks (rows 0-31, 32-63): one barely moves (below drift: its step as without drift),
+    # the other moves ``moved`` of its RMS, coded at step * sqrt(its drift / drift), bound to match
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 64, generator=g)
+    new = w.clone()
+    new[:32] += 0.002 * torch.randn(32, 64, generator=g)
+    new[32:] += moved * torch.randn(32, 64, generator=g)
+    restored = {}
+    for name, drift in (("plain", None), ("drift", 0.01)):
+        store = amber.open(tmp_path / name, mode="w", codec=amber.BlockDeltaCodec(step=0.05, block=64, drift=drift),
+                           chunk_bytes=32 * 64 * 4)
+        store.save(1, {"w": w})
+        store.save(2, {"w": new})
+        restored[name] = (store.load(2)["w"].materialize(), store.manifest(2).nbytes_stored)
+    (got, stored), (plain, plain_stored) = restored["drift"], restored["plain"]
+    d = float((new[32:] - w[32:]).norm() / new[32:].norm())
+    factor = torch.tensor([1.0, max(1.0, math.sqrt(d / 0.01))]).repeat_interleave(32 * 64)
+    bound = math.sqrt(2) / 2 * 0.05 * per_block(new, 32, 64, lambda x: x.square().mean().sqrt()).reshape(-1) * factor
+    err = (got - new).abs().reshape(-1)
+    assert bool((err <= bound * (1 + 1e-5)).all()), float((err - bound).max())
+    assert_bit_equal(got[:32], plain[:32])  # below drift: the same delta
+    coarser = (got[32:] - new[32:]).square().mean() > 2 * (plain[32:] - new[32:]).square().mean()
+    assert bool(coarser) == (moved > 0.04)  # (a factor of at least 2: one power of two coarser)
+    assert stored <= plain_stored
+
+
+def test_drift_is_the_writers_choice_and_stays_out_of_the_arrays_metadata():
+    codec = amber.BlockDeltaCodec(step=0.1, drift=0.01)
+    config = codec.to_dict()["configuration"]
+    assert "drift" not in config and config["step"] == 0.1
+    assert amber.BlockDeltaCodec.from_dict(codec.to_dict()) == amber.BlockDeltaCodec(step=0.1)
+    for bad in (0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="drift"):
+            amber.BlockDeltaCodec(drift=bad)
 
 
 def test_the_lossy_preset_uses_ratio_for_second_moments_block_elsewhere_and_keeps_the_rest_exact(make_store):

@@ -222,17 +222,50 @@ def _scaled_with_escapes(v, b, inverse, scale, codes, recon):  # pragma: no cove
 
 
 @njit(**_OPTIONS)
-def block(v, b, starts, ends, width, size, step, codes, recon, side):  # pragma: no cover (compiled)
+def _drift_factor(v, b, drift):  # pragma: no cover (compiled)
+    """How much coarser than its ``step`` a chunk is coded: ``sqrt(d / drift)`` where the
+    chunk's drift ``d`` (RMS change over RMS value, finite elements, in float64) is above
+    ``drift``, else 1. One pass without tests; again leaving out non-finite elements only
+    where a sum is not finite."""
+    changes, squares = 0.0, 0.0
+    for i in range(v.size):
+        d, x = float(v[i] - b[i]), float(v[i])  # (the change in the values' dtype, as the torch code's)
+        changes += d * d
+        squares += x * x
+    if not (math.isfinite(changes) and math.isfinite(squares)):
+        changes, squares = 0.0, 0.0
+        for i in range(v.size):
+            d, x = float(v[i] - b[i]), float(v[i])
+            if math.isfinite(d):
+                changes += d * d
+            if math.isfinite(x):
+                squares += x * x
+    return _coarsened(changes, squares, drift)
+
+
+@njit(**_OPTIONS)
+def _coarsened(changes, squares, drift):  # pragma: no cover (compiled)
+    """:func:`_drift_factor` of a chunk's sums of squares (the torch code's
+    :func:`amber_store.codecs.entropy.drift_factors` calls it uncompiled)."""
+    if not (squares > 0 and changes > squares * drift * drift):
+        return 1.0
+    return math.sqrt(math.sqrt(changes / squares) / drift)
+
+
+@njit(**_OPTIONS)
+def block(v, b, starts, ends, width, size, step, drift, codes, recon, side):  # pragma: no cover (compiled)
     """:class:`~amber_store.codecs.BlockDeltaCodec` of each chunk, blocks of ``size``
     elements counted from its start (``width``: a chunk's padded length, a multiple of
     ``size``; blocks past a chunk's end are padding): each block's exponent into ``side``
-    (chunk, block), the codes, and the reconstruction ``b + q * 2^e``. A chunk whose codes
-    are all 0 keeps ``b``. Returns (whether a code is nonzero, escapes)."""
+    (chunk, block), the codes, and the reconstruction ``b + q * 2^e``. ``drift`` > 0 coarsens
+    a chunk's step by :func:`_drift_factor`. A chunk whose codes are all 0 keeps ``b``.
+    Returns (whether a code is nonzero, escapes)."""
     root = v.dtype.type(math.sqrt(size))
-    step = v.dtype.type(step)
     moved, escapes = False, 0
     for c in range(starts.size):
         lo, hi = starts[c], ends[c]
+        factor = _drift_factor(v[lo:hi], b[lo:hi], drift) if drift > 0 else 1.0
+        chunk_step = v.dtype.type(step * factor)
         nonzero = False
         for j in range(width // size):
             a = min(lo + j * size, hi)
@@ -244,7 +277,7 @@ def block(v, b, starts, ends, width, size, step, codes, recon, side):  # pragma:
             if not finite:
                 peak, squares = _finite_parts(vs, bs)
             rms = v.dtype.type(math.sqrt(squares)) / root
-            e = min(max(_round_log2(rms * step), _ceil_log2(peak / v.dtype.type(127)), -126), 126)
+            e = min(max(_round_log2(rms * chunk_step), _ceil_log2(peak / v.dtype.type(127)), -126), 126)
             side[c, j] = e
             scale, inverse = v.dtype.type(2.0 ** e), v.dtype.type(2.0 ** -e)  # (exact: normal powers of two)
             if finite:

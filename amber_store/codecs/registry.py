@@ -42,7 +42,8 @@ _NAMED: dict[str, DeltaCodec] = {
 #: dividing the update) by ratio within 10%; weights (and every other float tensor) by blocks
 #: to 7% of a block's RMS value; Adam's first moment, which changes wholesale between
 #: checkpoints and costs the most to keep, coarsely (its error fades within a few dozen steps).
-#: benchmarks/lossy.py measures it against finer and coarser settings.
+#: benchmarks/lossy.py measures it against finer and coarser settings, benchmarks/regimes.py on
+#: other runs and against steps that follow the weights' drift (``BlockDeltaCodec(drift=...)``).
 PRESETS: dict[str, list[tuple[str, DeltaCodec]]] = {
     "lossy": [("*exp_avg_sq", RatioDeltaCodec(step=0.2)), ("*exp_avg", BlockDeltaCodec(step=6.0)),
               ("*", BlockDeltaCodec(step=0.1))],
