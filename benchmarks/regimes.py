@@ -46,11 +46,11 @@ POLICIES: dict[str, Any] = {
     "lossy (preset)": "lossy",
     # steps picked on these six trajectories: the moments coarser (their error hardly moved the
     # resumed loss), weights coarser where a chunk drifted beyond 1% of its RMS since its base
-    "drift-scaled": [("*exp_avg_sq", amber.RatioDeltaCodec(step=1.0)),
-                     ("*exp_avg", amber.BlockDeltaCodec(step=12.0)), ("*", amber.BlockDeltaCodec(step=0.1, drift=0.01))],
+    "drift-scaled": [("*exp_avg_sq", amber.RatioDeltaCodec(step=1.0)), ("*exp_avg", amber.BlockDeltaCodec(step=12.0)),
+                     ("*", amber.BlockDeltaCodec(step=0.1, drift=0.01))],
     # for the best ratio within 0.1%: weights 4x finer than the preset's, drift-scaled
-    "lossy, finer": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)),
-                     ("*exp_avg", amber.BlockDeltaCodec(step=1.0)), ("*", amber.BlockDeltaCodec(step=0.025, drift=0.01))],
+    "lossy, finer": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)), ("*exp_avg", amber.BlockDeltaCodec(step=1.0)),
+                     ("*", amber.BlockDeltaCodec(step=0.025, drift=0.01))],
 }
 
 
@@ -175,7 +175,8 @@ def run_trajectory(traj: Trajectory, args: argparse.Namespace, text: torch.Tenso
     floor = [(resume(perturbed(exact, seed)) / reference - 1) * 100 for seed in (1, 2)]
     out: dict[str, Any] = {"trajectory": traj.name, "params": sum(p.numel() for p in trainer.model.parameters()),
                            "torch_save_bytes": torch_bytes, "reference_loss": reference, "noise_floor_pct": floor,
-                           "deepest": {"step": deep, "span": span}, "window_start": traj.start, "train_s": train_s, "codecs": {}}
+                           "deepest": {"step": deep, "span": span}, "window_start": traj.start, "train_s": train_s,
+                           "codecs": {}}
     for name, store in stores.items():
         per_step = sizes[name]
         row: dict[str, Any] = {"ratio": torch_bytes / statistics.median(n for _, n in per_step),
@@ -183,7 +184,8 @@ def run_trajectory(traj: Trajectory, args: argparse.Namespace, text: torch.Tenso
         if name != "lossless":
             last = (resume(store.load(end, lazy=False)) / reference - 1) * 100
             spanning = (resume(store.load(deep, lazy=False), deep) / deep_reference - 1) * 100
-            row |= {"loss_change_pct": max(last, spanning, key=abs), "loss_last_pct": last, "loss_deepest_pct": spanning}
+            row |= {"loss_change_pct": max(last, spanning, key=abs), "loss_last_pct": last,
+                    "loss_deepest_pct": spanning}
         out["codecs"][name] = row
         store.close()
     return out
@@ -228,7 +230,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="amber-regimes-"))
     started = time.perf_counter()
     try:
-        results = [run_trajectory(t, args, text, root) for m in args.models for t in trajectories(m, args.scale, args.lr_scale)]
+        results = [run_trajectory(t, args, text, root)
+                   for m in args.models for t in trajectories(m, args.scale, args.lr_scale)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"machine: {machine()}")

@@ -429,8 +429,8 @@ def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch
 
 @pytest.mark.parametrize("codec", [amber.SparseDeltaCodec(threshold=0.05), amber.QuantizedDeltaCodec(bits=8),
                                    amber.QuantizedDeltaCodec(bits=4), amber.BlockDeltaCodec(step=0.05, block=64),
-                                   amber.BlockDeltaCodec(step=0.01, block=48), amber.BlockDeltaCodec(step=0.05, block=64, drift=0.01),
-                                   amber.RatioDeltaCodec(step=0.02)],
+                                   amber.BlockDeltaCodec(step=0.01, block=48),
+                                   amber.BlockDeltaCodec(step=0.05, block=64, drift=0.01), amber.RatioDeltaCodec(step=0.02)],
                          ids=["sparse", "quant8", "quant4", "block", "block-fine", "block-drift", "ratio"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("chunks", [(8, 32), (12, 32)])  # chunks that tile the tensor; a ragged edge chunk
