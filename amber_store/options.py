@@ -55,10 +55,11 @@ class Options:
         codec: the delta codec of each tensor: ``"lossless"`` (default: the integer difference
             of the raw bits, :class:`~amber_store.codecs.DiffDeltaCodec`), ``"xor"`` (lossless:
             raw bits XOR the base's), ``"lossy"`` (the recommended lossy preset: block-quantized,
-            entropy-coded deltas; ratio-coded second moments), ``"block"``, ``"ratio"``,
-            ``"sparse"``, ``"quant8"``, ``"quant4"``, a :class:`~amber_store.codecs.DeltaCodec`, or
-            rules ``[(key pattern, codec), ...]`` such as ``[("optim/*", "sparse")]``; see
-            :class:`~amber_store.codecs.Policy`. Full steps are always lossless.
+            entropy-coded deltas; ratio-coded second moments; first moments kept at their base),
+            ``"block"``, ``"ratio"``, ``"sparse"``, ``"quant8"``, ``"quant4"``, a
+            :class:`~amber_store.codecs.DeltaCodec`, or rules ``[(key pattern, codec), ...]``
+            such as ``[("optim/*", "sparse")]``; see :class:`~amber_store.codecs.Policy`. Full
+            steps are always lossless.
         max_pending: how many ``save_async`` calls may be unfinished at once.
         snapshot: where ``save_async`` copies the state: ``"host"`` (pinned host buffers;
             deltas encoded on the host) or ``"device"`` (the tensors' device; deltas encoded

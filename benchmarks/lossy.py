@@ -48,6 +48,7 @@ def policies() -> dict[str, Any]:
         "lossy, finer": lossy(0.05, 3.0, 0.1),
         "lossy, coarser": lossy(0.2, 12.0, 0.4),
         "lossy, exp_avg kept (step 1)": lossy(0.1, 1.0, 0.2),
+        "lossy, exp_avg step 6 (the preset before)": lossy(0.1, 6.0, 0.2),
         "quant4": "quant4",
         "quant8": "quant8",
         "sparse 2%": "sparse",

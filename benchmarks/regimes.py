@@ -39,18 +39,36 @@ import amber_store as amber  # noqa: E402
 from amber_store.demo import GPTConfig, TinyGPT, Trainer, corpus  # noqa: E402
 from amber_store.history import AUTO, PARENTS  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
-from benchmarks.lossy import _serialized, perturbed, resumed_loss  # noqa: E402
+from benchmarks.lossy import _serialized, kind_of, perturbed, resumed_loss  # noqa: E402
 
 #: name -> codec policy (the lossless store is the reference)
 POLICIES: dict[str, Any] = {
     "lossy (preset)": "lossy",
-    # steps picked on these six trajectories: the moments coarser (their error hardly moved the
+    # steps picked on these six trajectories: exp_avg_sq coarser (its error hardly moved the
     # resumed loss), weights coarser where a chunk drifted beyond 1% of its RMS since its base
-    "drift-scaled": [("*exp_avg_sq", amber.RatioDeltaCodec(step=1.0)), ("*exp_avg", amber.BlockDeltaCodec(step=12.0)),
+    "drift-scaled": [("*exp_avg_sq", amber.RatioDeltaCodec(step=1.0)), ("*exp_avg", amber.BlockDeltaCodec(step=64.0)),
                      ("*", amber.BlockDeltaCodec(step=0.1, drift=0.01))],
     # for the best ratio within 0.1%: weights 4x finer than the preset's, drift-scaled
     "lossy, finer": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)), ("*exp_avg", amber.BlockDeltaCodec(step=1.0)),
                      ("*", amber.BlockDeltaCodec(step=0.025, drift=0.01))],
+}
+#: Variants (run them with --policies): the preset and drift-scaled as they were with exp_avg
+#: coded at step 6 and 12, drift-scaled's two changes apart, and the finer policy with exp_avg
+#: at its base (RESULTS.md)
+VARIANTS: dict[str, Any] = {
+    "preset, exp_avg step 6": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)),
+                               ("*exp_avg", amber.BlockDeltaCodec(step=6.0)), ("*", amber.BlockDeltaCodec(step=0.1))],
+    "drift-scaled, exp_avg step 12": [("*exp_avg_sq", amber.RatioDeltaCodec(step=1.0)),
+                                      ("*exp_avg", amber.BlockDeltaCodec(step=12.0)),
+                                      ("*", amber.BlockDeltaCodec(step=0.1, drift=0.01))],
+    "drift-scaled weights only": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)),
+                                  ("*exp_avg", amber.BlockDeltaCodec(step=6.0)),
+                                  ("*", amber.BlockDeltaCodec(step=0.1, drift=0.01))],
+    "coarser moments only": [("*exp_avg_sq", amber.RatioDeltaCodec(step=1.0)),
+                             ("*exp_avg", amber.BlockDeltaCodec(step=12.0)), ("*", amber.BlockDeltaCodec(step=0.1))],
+    "finer, exp_avg at its base": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)),
+                                   ("*exp_avg", amber.BlockDeltaCodec(step=64.0)),
+                                   ("*", amber.BlockDeltaCodec(step=0.025, drift=0.01))],
 }
 
 
@@ -136,12 +154,15 @@ def run_trajectory(traj: Trajectory, args: argparse.Namespace, text: torch.Tenso
     for step in range(1, traj.start + 1):
         trainer.step(step)
     trainer.set_lr(traj.lr)
+    policies = {"lossless": "lossless", **{name: (POLICIES | VARIANTS)[name] for name in args.policies}}
     stores = {name: amber.open(root / f"{len(list(root.iterdir()))}", mode="w", codec=policy, full_every=10,
-                               durable=False) for name, policy in {"lossless": "lossless", **POLICIES}.items()}
+                               durable=False) for name, policy in policies.items()}
     sizes: dict[str, list[tuple[float, int]]] = {name: [] for name in stores}  # (drift, bytes) per delta step
+    kinds: dict[str, dict[str, int]] = {name: {} for name in stores}  # delta steps' bytes per kind of tensor
     weights: dict[int, dict[str, torch.Tensor]] = {}  # at each checkpoint of the window
     # The exact state at the last step whose lossy delta spans the most checkpoints (its error
-    # is the largest the drift-scaled steps allow), resumed beside the last step
+    # is the largest the drift-scaled steps allow; every lossy store has the same chains),
+    # resumed beside the last step
     deepest: tuple[int, int, dict] = (-1, -1, {})
     t0 = time.perf_counter()
     end = traj.start + args.window
@@ -157,7 +178,10 @@ def run_trajectory(traj: Trajectory, args: argparse.Namespace, text: torch.Tenso
                 m = store.manifest(step)
                 parent = PARENTS[AUTO[name == "lossless"]](m.depth)
                 sizes[name].append((drift(weights[step], weights[m.segment[parent]]), info.nbytes_stored))
-                if name == "drift-scaled" and m.depth - parent >= deepest[0]:
+                for key, entry in m.tensors.items():
+                    kind = kind_of(key.replace("/", "."))
+                    kinds[name][kind] = kinds[name].get(kind, 0) + entry.stored
+                if name != "lossless" and m.depth - parent >= deepest[0]:
                     deepest = (m.depth - parent, step, torch.load(_serialized(state), weights_only=False))
     train_s = time.perf_counter() - t0
     exact = torch.load(_serialized(trainer.state(end)), weights_only=False)
@@ -180,7 +204,8 @@ def run_trajectory(traj: Trajectory, args: argparse.Namespace, text: torch.Tenso
     for name, store in stores.items():
         per_step = sizes[name]
         row: dict[str, Any] = {"ratio": torch_bytes / statistics.median(n for _, n in per_step),
-                               "points": [(d, torch_bytes / n) for d, n in per_step]}
+                               "points": [(d, torch_bytes / n) for d, n in per_step],
+                               "bytes_by_kind": {k: n / sum(kinds[name].values()) for k, n in kinds[name].items()}}
         if name != "lossless":
             last = (resume(store.load(end, lazy=False)) / reference - 1) * 100
             spanning = (resume(store.load(deep, lazy=False), deep) / deep_reference - 1) * 100
@@ -223,6 +248,8 @@ def main() -> None:
     p.add_argument("--scale", type=int, default=100, help="mid starts at 3x, the fine-tune at 4x this many steps")
     p.add_argument("--lr-scale", type=float, default=1.0, help="multiplies every learning rate")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES | VARIANTS),
+                   help="lossy policies beside the lossless reference (default: %(default)s)")
     p.add_argument("--plot", type=Path)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -247,14 +274,19 @@ def main() -> None:
             drifts = [d for d, _ in row["points"]]
             resumed = (f"{row['loss_last_pct']:+.2f}% / {row['loss_deepest_pct']:+.2f}%" if "loss_change_pct" in row
                        else "(reference)")
-            rows.append([r["trajectory"], name, f"{row['ratio']:.1f}x", resumed, f"+-{noise:.1e}%",
+            shares = " / ".join(f"{row['bytes_by_kind'].get(k, 0) * 100:.0f}"
+                                for k in ("weights", "exp_avg", "exp_avg_sq"))
+            rows.append([r["trajectory"], name, f"{row['ratio']:.1f}x", shares, resumed, f"+-{noise:.1e}%",
                          f"{statistics.median(drifts):.2e}"])
     print(table(["trajectory", "codec", "median delta step, smaller than torch.save",
+                 "delta bytes, % weights / exp_avg / exp_avg_sq",
                  "resumed loss vs lossless (last step / spanning most)", "noise floor", "median drift from the base"],
                 rows))
-    preset = [r["codecs"]["lossy (preset)"] for r in results]
-    held = [pt for pt in preset if pt["ratio"] >= 50 and abs(pt["loss_change_pct"]) <= 1]
-    print(f"\nthe preset holds >= 50x at <= 1% on {len(held)} of {len(preset)} trajectories")
+    print()
+    for name in args.policies:
+        held = [r for r in results
+                if r["codecs"][name]["ratio"] >= 50 and abs(r["codecs"][name]["loss_change_pct"]) <= 1]
+        print(f"{name} holds >= 50x at <= 1% on {len(held)} of {len(results)} trajectories")
     for r in results:
         within = [(row["ratio"], name) for name, row in r["codecs"].items()
                   if name != "lossless" and abs(row["loss_change_pct"]) <= 0.1]

@@ -573,14 +573,36 @@ def test_the_lossy_preset_uses_ratio_for_second_moments_block_elsewhere_and_keep
         model(torch.randn(8, 64)).sum().backward()
         opt.step()
         store.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "seen": torch.arange(300) * step})
+        if step == 1:
+            first_moment = opt.state_dict()["state"][0]["exp_avg"].clone()
     entries = store.manifest(3).tensors
-    assert entries["model/0.weight"].encoding == "block" and entries["optim/state/0/exp_avg"].encoding == "block"
-    assert entries["optim/state/0/exp_avg_sq"].encoding == "ratio"
+    assert entries["model/0.weight"].encoding == "block" and entries["optim/state/0/exp_avg_sq"].encoding == "ratio"
+    # exp_avg changed wholesale, by less than 32 RMS values of its blocks: kept at its base (step 1)
+    assert entries["optim/state/0/exp_avg"].encoding == "same"
     assert entries["model/1.weight"].encoding == "diff"  # 128 elements: below min_numel
     assert entries["optim/state/0/step"].encoding == "diff" and entries["seen"].encoding == "diff"
     got = store.load(3, lazy=False)
+    assert_bit_equal(got["optim"]["state"][0]["exp_avg"], first_moment)
     assert_bit_equal(got["optim"]["state"][0]["step"], opt.state_dict()["state"][0]["step"])
     assert_bit_equal(got["model"]["1.bias"], model.state_dict()["1.bias"])
+
+
+def test_the_lossy_preset_follows_a_first_moment_block_that_collapses_and_keeps_the_rest_at_the_base(make_store):
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(4096, generator=g)
+    store = make_store(codec="lossy")
+    store.save(1, {"exp_avg": m})
+    moved = 0.35 * m + 0.94 * torch.randn(4096, generator=g)  # a new moment of the same scale
+    collapsed = moved.clone()
+    collapsed[:256] *= 1e-3  # one block's gradients stopped: its moment decays toward zero
+    store.save(2, {"exp_avg": moved})
+    store.save(3, {"exp_avg": collapsed})
+    assert store.manifest(2).tensors["exp_avg"].encoding == "same"
+    assert store.manifest(3).tensors["exp_avg"].encoding == "block"
+    got = store.load(3, lazy=False)["exp_avg"]
+    assert_bit_equal(got[256:], m[256:])
+    bound = 2**0.5 * 64 * float(collapsed[:256].square().mean().sqrt()) / 2  # BlockDeltaCodec's, at step 64
+    assert float((got[:256] - collapsed[:256]).abs().max()) <= bound < 0.1 * float(m[:256].abs().max())
 
 
 @pytest.mark.parametrize("sparse_codes", [True, False])  # format 7's layouts; 5 and 6 wrote False's
