@@ -5,10 +5,10 @@ The default S3 client: on SeaweedFS (loopback, 2 cores) it loaded a delta step 1
 saved 1.1-1.36x faster than s3fs, over three runs of benchmarks/throughput.py. Options are the
 ones users pass to s3fs (``endpoint_url``, ``key``, ``secret``, ``token``, ``region``,
 ``profile``, ``anon``), and the standard AWS environment is honoured (``AWS_ENDPOINT_URL[_S3]``,
-``AWS_REGION``, credentials, and profiles, which botocore reads for it). ``client="s3fs"``, or an option only s3fs knows
-(``client_kwargs``, ``config_kwargs``, ``session``, ...), selects the s3fs backend
-(:mod:`amber_store.storage.s3`). The commit is a conditional PUT (``If-None-Match: *``); every
-request is bounded (:data:`S3_CLIENT`, :data:`S3_RETRY`).
+``AWS_REGION``, credentials, and profiles, which botocore reads for it). ``client="s3fs"``, or
+an option only s3fs knows (``client_kwargs``, ``config_kwargs``, ``session``, ...), selects the
+s3fs backend (:mod:`amber_store.storage.s3`). The commit is a conditional PUT
+(``If-None-Match: *``); every request is bounded (:data:`S3_CLIENT`, :data:`S3_RETRY`).
 """
 
 from __future__ import annotations
