@@ -95,11 +95,17 @@ def merged(paths: list[Path]) -> dict[str, Any]:
     return out
 
 
+def changes(data: dict[str, Any]) -> dict[str, list[float]]:
+    """Each state's resumed loss against the exact resume's on the same stream, in percent."""
+    losses = data["losses"]
+    return {name: [(v / e - 1) * 100 for v, e in zip(vs, losses["exact"])] for name, vs in losses.items()
+            if name != "exact"}
+
+
 def report(data: dict[str, Any]) -> None:
     """Each state's resumed-loss change against the exact resume's, per stream and over them."""
     args, seeds, losses = data["args"], data["seeds"], data["losses"]
-    change = {name: [(v / e - 1) * 100 for v, e in zip(vs, losses["exact"])] for name, vs in losses.items()
-              if name != "exact"}
+    change = changes(data)
 
     def error(cs: list[float]) -> float:
         """Standard error of the mean over the streams."""

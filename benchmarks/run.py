@@ -27,6 +27,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent))
 
 from amber_store.format import FORMAT_VERSION  # noqa: E402
+from benchmarks import resume_seeds  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.layout import XOR_LOAD, XOR_SAVE  # noqa: E402
 
@@ -97,7 +98,7 @@ def regimes_goal(regimes: dict) -> tuple[str, bool]:
 
 def spread(seeds: dict, name: str) -> str:
     """A state's resumed-loss changes over data streams, as "mean (min to max)"."""
-    cs = [(v / e - 1) * 100 for v, e in zip(seeds["losses"][name], seeds["losses"]["exact"])]
+    cs = resume_seeds.changes(seeds)[name]
     return f"{statistics.mean(cs):+.2f}% ({min(cs):+.2f}% to {max(cs):+.2f}%)"
 
 
