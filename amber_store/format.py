@@ -169,6 +169,23 @@ def numpy_to_tensor(bits: np.ndarray, name: str) -> torch.Tensor:
     return torch.from_numpy(signed).view(_torch_dtypes().by_name[name])
 
 
+def host_empty(shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
+    """An uninitialized host array in memory from torch's allocator: what reads decode into,
+    and the codec threads' scratch buffers.
+
+    numpy asks the kernel for huge pages for arrays of 4 MiB and up; on a VM that hands freed
+    memory back to its host, their first touch in a fresh process (a resume) cost 3x the time
+    of small pages, which torch's tensors, torch.load's included, get (measured, a 1 GiB state
+    loaded in a fresh process on this project's 2-core VM: full step 2.0 s, 0.83 s; torch.load
+    1.0 s). Where huge pages are cheap, ``THP_MEM_ALLOC_ENABLE=1`` asks them of torch, for
+    these buffers as for every tensor."""
+    import torch
+
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    return torch.empty(n * dtype.itemsize, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
+
+
 # --- chunking -----------------------------------------------------------------------------
 
 def choose_chunks(shape: tuple[int, ...], item: int, target_bytes: int) -> tuple[int, ...]:

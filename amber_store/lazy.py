@@ -20,7 +20,7 @@ import torch
 from zarr.core.sync import sync
 
 from .errors import CorruptDataError
-from .format import DTYPES, TensorEntry, itemsize, numpy_to_tensor, round_up
+from .format import DTYPES, TensorEntry, bits_to_numpy, itemsize, round_up, to_bits
 from .reader import ReadSession
 from .runtime import gather, shared_pool
 
@@ -156,8 +156,10 @@ class LazyTensor:
         region, local = _plan(index, self._shape, tuple(self._entry.chunks))
         if region is None:
             return self._empty(local)
-        bits = await self._reader.read(self.step, self.key, region, session=session)
-        return numpy_to_tensor(bits, self._dtype)[local]
+        # decoded straight into the tensor returned (torch's memory: see format.host_empty)
+        out = torch.empty([r.stop - r.start for r in region], dtype=DTYPES[self._dtype])
+        await self._reader.read(self.step, self.key, region, session=session, out=bits_to_numpy(to_bits(out)))
+        return out[local]
 
     async def _assemble(self, index: Index, session: ReadSession | None) -> torch.Tensor:
         """Read the selection from the pieces it overlaps, each only over the overlap."""

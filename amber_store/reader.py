@@ -57,15 +57,18 @@ class Reader:
         return CorruptDataError.at(self.history.uri, step, key, what, chunk)
 
     async def read(self, step: int, key: str, region: tuple[slice, ...] | None = None, *,
-                   session: ReadSession | None = None, check: bool | None = None) -> np.ndarray:
-        """Raw bits of ``key`` at ``step`` over a chunk-aligned ``region`` (``None``: all).
+                   session: ReadSession | None = None, check: bool | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """Raw bits of ``key`` at ``step`` over a chunk-aligned ``region`` (``None``: all),
+        decoded into ``out`` if given (C-contiguous, the region's shape and bits dtype: the
+        destination tensor's memory, so that no copy follows), else into a new array.
 
         A step opened before retention removed or rewrote the steps its data lies in (a lazy
         state dict kept while training's gc runs) is read again from its manifest as committed
         now; one no longer committed raises :class:`StepNotFoundError` saying so."""
         with storage_errors(self.history.uri, f"reading step {step}, tensor {key!r}"):
             try:
-                return await self._read(step, key, region, session, check)
+                return await self._read(step, key, region, session, check, out)
             except (StepNotFoundError, CorruptDataError):
                 if not await self.history.outdated(step):
                     raise
@@ -75,20 +78,26 @@ class Reader:
             except StepNotFoundError:
                 raise StepNotFoundError(f"{self.history.uri}: step {step} was deleted (by gc or retention) after it "
                                         f"was opened; tensor {key!r} cannot be read") from None
-            return await self._read(step, key, region, session, check)
+            return await self._read(step, key, region, session, check, out)
 
     async def _read(self, step: int, key: str, region: tuple[slice, ...] | None, session: ReadSession | None,
-                    check: bool | None) -> np.ndarray:
+                    check: bool | None, out: np.ndarray | None) -> np.ndarray:
         m = await self.history.manifest(step)
         e = m.tensors[key]
         shape, chunks = tuple(e.shape), tuple(e.chunks)
         region = fmt.whole(shape) if region is None else region
         check = self.verify if check is None else check
         layers = await self.history.chain(step, key)
-        if any(le.legacy for _, le in layers):  # (a step folded by gc may mix both layouts)
-            return await self._legacy.read(step, key, region, check)
         dtype = bits_numpy_dtype(e.dtype)
-        out = np.empty(tuple(r.stop - r.start for r in region), dtype=dtype)
+        rshape = tuple(r.stop - r.start for r in region)
+        if out is None:
+            out = fmt.host_empty(rshape, dtype)
+        elif out.shape != rshape or out.dtype != dtype or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"out must be a writable C-contiguous {dtype} array of shape {rshape}, "
+                             f"not {out.dtype} {out.shape}")
+        if any(le.legacy for _, le in layers):  # (a step folded by gc may mix both layouts)
+            out[...] = await self._legacy.read(step, key, region, check)
+            return out
         if out.size == 0:
             return out
         if layers[-1][1].pack is not None:
@@ -140,7 +149,7 @@ class Reader:
         if flat_target is not None:
             await self._decode(step, key, e, layers, payloads, flat_target, idx, flat, check)
         else:
-            tmp = np.empty(target.size, dtype=target.dtype)
+            tmp = fmt.host_empty(target.size, target.dtype)
             await self._decode(step, key, e, layers, payloads, tmp, idx, flat, check)
             target[...] = tmp.reshape(target.shape)
 
@@ -241,7 +250,7 @@ class Reader:
             return None, set()
         data = raw.as_numpy_array()
         size = info["chunk"]
-        out = np.empty((stop - first) * size, dtype=np.uint8)
+        out = fmt.host_empty((stop - first) * size, np.uint8)
         failed: set[int] = set()
 
         def one(i: int) -> None:

@@ -1,11 +1,13 @@
 """Loads the way a resume runs them: each in a fresh process, beside ``torch.load`` of the same
-state in a fresh process, with the imports timed apart; and the same loads warm (the fifth load
-in one process), which is what the other benchmarks time.
+state in a fresh process, with the imports timed apart; and the same loads warm (the second to
+fifth loads of one process, pooled: single loads there swing by seconds on this VM), which is
+what the other benchmarks time.
 
 A local store (page cache warm: every file was just written) holds a full step and a delta step
 of a GPT-like fp32 state; torch.save wrote the delta step's state to one file. Each round runs
 every case once in its own process, in an order rotated from round to round; figures are
-medians (and ranges) over rounds.
+medians (and ranges) over rounds. ``--before DIR`` adds the same loads by the amber_store of
+another checkout (``git worktree add DIR REV``), interleaved: a change's effect, same minutes.
 
     python benchmarks/cold_load.py --mb 1024 --rounds 5
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -45,6 +48,7 @@ for _ in range(repeats):
 print(json.dumps({"imports": imports, "loads": out}))
 """
 CASES = ["torch.load", "full step", "delta step"]
+BEFORE = " (before)"
 
 
 def prepare(root: Path, mb: int) -> None:
@@ -63,8 +67,15 @@ def prepare(root: Path, mb: int) -> None:
     torch.save(state, root / "state.pt")
 
 
-def child(kind: str, root: Path, repeats: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, kind, str(root), str(repeats)], capture_output=True, text=True)
+def child(kind: str, root: Path, repeats: int, before: Path | None = None) -> dict:
+    """``kind``'s loads in a fresh process; a kind ending in " (before)" by ``before``'s amber_store
+    (found first on the path: the child runs from the store's directory, not from a checkout)."""
+    env = dict(os.environ)
+    if kind.endswith(BEFORE):
+        kind = kind.removesuffix(BEFORE)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", CHILD, kind, str(root), str(repeats)], capture_output=True,
+                          text=True, env=env, cwd=root)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     return json.loads(proc.stdout)
@@ -79,29 +90,33 @@ def main() -> None:
     p.add_argument("--mb", type=int, default=1024, help="state size in MiB")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path, help="also write the raw figures here")
+    p.add_argument("--before", type=Path, help="a checkout whose amber_store loads the same steps too")
     args = p.parse_args()
+    cases = CASES + ([f"full step{BEFORE}", f"delta step{BEFORE}"] if args.before else [])
     root = Path(tempfile.mkdtemp(prefix="amber-cold-"))
-    cold: dict[str, list[dict]] = {k: [] for k in CASES}
-    imports: dict[str, list[float]] = {k: [] for k in CASES}
-    warm: dict[str, list[dict]] = {k: [] for k in CASES}
+    cold: dict[str, list[dict]] = {k: [] for k in cases}
+    imports: dict[str, list[float]] = {k: [] for k in cases}
+    warm: dict[str, list[dict]] = {k: [] for k in cases}
     try:
         prepare(root, args.mb)
         for r in range(args.rounds):
-            for kind in CASES[r % len(CASES):] + CASES[: r % len(CASES)]:
-                got = child(kind, root, 1)
+            for kind in cases[r % len(cases):] + cases[: r % len(cases)]:
+                got = child(kind, root, 1, args.before)
                 cold[kind].append(got["loads"][0])
                 imports[kind].append(got["imports"])
-        for kind in CASES:  # warm: the fifth load of one process
-            warm[kind] = [child(kind, root, 5)["loads"][-1] for _ in range(max(1, args.rounds // 2))]
+        for r in range(max(1, args.rounds // 2)):  # warm: the second to fifth loads of one process
+            for kind in cases[r % len(cases):] + cases[: r % len(cases)]:
+                warm[kind] += child(kind, root, 5, args.before)["loads"][1:]
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     base = statistics.median(x["seconds"] for x in cold["torch.load"])
     base_warm = statistics.median(x["seconds"] for x in warm["torch.load"])
-    print(f"`python benchmarks/cold_load.py --mb {args.mb} --rounds {args.rounds}`; machine: {machine()}; "
+    before = f" --before {args.before}" if args.before else ""
+    print(f"`python benchmarks/cold_load.py --mb {args.mb} --rounds {args.rounds}{before}`; machine: {machine()}; "
           f"state {args.mb} MiB fp32 (a full step and a delta step 1e-4 of the weights' scale apart); page cache warm\n")
     rows = []
-    for kind in CASES:
+    for kind in cases:
         secs = [x["seconds"] for x in cold[kind]]
         rows.append([kind, spread(secs), f"{statistics.median(secs) / base:.2f}x",
                      f"{statistics.median(x['user'] for x in cold[kind]):.2f}",

@@ -377,7 +377,8 @@ def test_lossless_diffs_by_numpy_while_the_kernels_warm_are_the_kernels_bits(wid
 
     rng = np.random.default_rng(width)
     info = np.iinfo(f"i{width}")
-    value, base = (rng.integers(info.min, info.max, 4096, dtype=f"i{width}", endpoint=True) for _ in range(2))
+    n = 3 * warmup.PIECE_BYTES // width + 5  # numpy's passes go by pieces: three and a ragged end
+    value, base = (rng.integers(info.min, info.max, n, dtype=f"i{width}", endpoint=True) for _ in range(2))
     value[:4], base[:4] = [info.min, info.max, 0, -1], [info.max, info.min, info.min, info.max]  # wrap both ways
     compiled, by_numpy = np.empty_like(value), np.empty_like(value)
     kernels.zigzag_diff(compiled, value, base, 64 - 8 * width)

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from zarr.abc.store import RangeByteRequest
+from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
 import amber_store as amber
@@ -120,6 +129,60 @@ def test_an_eager_load_onto_another_device_puts_every_tensor_there_keeping_ties(
     assert all(t.device.type == "meta" for t in leaves) and out["l"][1] == 7
     assert [(t.shape, t.dtype) for t in leaves] == [(w.shape, w.dtype), ((5,), torch.int64), ((2,), torch.bfloat16)]
     assert out["tied"] is out["a"]
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's flags of the mapping holding ``address`` in this process."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise LookupError(hex(address))
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc")
+def test_a_resume_decodes_straight_into_torch_memory_not_numpys_huge_pages(local_store, tmp_path):
+    # numpy asks huge pages for arrays from 4 MiB up (VmFlags "hg"), slow to touch first in a
+    # fresh process on a VM; torch asks them only when told to (THP_MEM_ALLOC_ENABLE=1), for
+    # torch.load's tensors as for these. A fresh process: a long one reuses advised ranges.
+    state = {"w": torch.randn(1024, 2048), "small": torch.randn(8), "scalar": torch.tensor(3.0)}
+    store = local_store()
+    store.save(1, state)
+    state["w"][:3] += 1e-3
+    store.save(2, state)
+    code = inspect.getsource(_vm_flags) + textwrap.dedent("""
+        import json, sys, numpy as np, torch, amber_store as amber
+        from pathlib import Path
+        def asks(t): return "hg" in _vm_flags(t.data_ptr() + t.nbytes // 2)
+        lazy = amber.open(sys.argv[1], mode="r").load(2)
+        loaded = [amber.materialize(lazy)["w"], lazy["w"][100:900]]
+        numpys = np.empty(1 << 21, np.float32)
+        print(json.dumps({"loaded": [asks(t) for t in loaded], "torch": asks(torch.empty(1 << 21)),
+                          "numpy": "hg" in _vm_flags(numpys.ctypes.data + numpys.nbytes // 2),
+                          "equal": bool(torch.equal(loaded[0], torch.load(sys.argv[2])))}))""")
+    torch.save(state["w"], tmp_path / "w.pt")
+    out = subprocess.run([sys.executable, "-c", code, store.uri, str(tmp_path / "w.pt")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    if not got["numpy"]:
+        pytest.skip("this kernel shows no huge-page advice")
+    assert got["equal"] and got["loaded"] == [got["torch"]] * 2
+
+
+def test_a_read_into_an_array_of_another_shape_or_dtype_is_refused(local_store):
+    store = local_store()
+    store.save(1, {"w": torch.randn(4, 8)})
+    for wrong in (np.empty((8, 4), np.uint32), np.empty((4, 8), np.int64), np.empty((4, 16), np.uint32)[:, ::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            sync(store.reader.read(1, "w", out=wrong))
+    into = np.empty((4, 8), np.uint32)
+    assert sync(store.reader.read(1, "w", out=into)) is into
 
 
 def test_a_lazy_optimizer_state_loads_into_an_optimizer_as_real_tensors(local_store):

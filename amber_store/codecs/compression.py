@@ -12,7 +12,7 @@ import crc32c
 import numpy as np
 from blosc.blosc_extension import error as BloscError
 
-from ..format import itemsize
+from ..format import host_empty, itemsize
 from .base import Shuffle
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def scratch(nbytes: int, slot: int = 0) -> np.ndarray:
         bufs = _SCRATCH.bufs = {}
     buf = bufs.get(slot)
     if buf is None or buf.nbytes < nbytes:
-        buf = bufs[slot] = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        buf = bufs[slot] = host_empty(max(nbytes, 1 << 20), np.uint8)
     return buf[:nbytes]
 
 

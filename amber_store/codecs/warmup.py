@@ -51,26 +51,45 @@ def _warm() -> None:
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
+#: numpy's passes run over pieces of this many bytes, so that each pass reads what the previous
+#: one wrote from the core's cache rather than from memory (measured, 4 MiB of int32 on this CPU:
+#: unzigzag_add 1.52 ms over the whole chunk, 0.83 ms by 128 KiB pieces, 0.92 by 64 KiB)
+PIECE_BYTES = 128 << 10
+
+
+def _pieces(n: int, itemsize: int) -> range:
+    return range(0, n, max(1, PIECE_BYTES // itemsize))
+
 
 def zigzag_diff(out: np.ndarray, value: np.ndarray, base: np.ndarray) -> None:
-    """numpy's :func:`amber_store.codecs.kernels.zigzag_diff` on signed ints of one width: ufuncs
-    wrap modulo 2**width as the kernel's truncating stores do. Its temporary is a scratch buffer
-    of the calling thread (a fresh one per chunk faults its pages in: most of the time, cold)."""
-    np.subtract(value, base, out=out)
-    sign = scratch(out.nbytes, 1).view(out.dtype)
-    np.right_shift(out, 8 * out.itemsize - 1, out=sign)
-    np.left_shift(out, 1, out=out)
-    np.bitwise_xor(out, sign, out=out)
+    """numpy's :func:`amber_store.codecs.kernels.zigzag_diff` on flat signed ints of one width:
+    ufuncs wrap modulo 2**width as the kernel's truncating stores do. Its temporary is a scratch
+    buffer of the calling thread (a fresh one per chunk faults its pages in: most of the time,
+    cold)."""
+    step = PIECE_BYTES // out.itemsize
+    sign_all = scratch(min(out.nbytes, PIECE_BYTES), 1).view(out.dtype)
+    for a in _pieces(out.size, out.itemsize):
+        o, sign = out[a: a + step], sign_all[: min(step, out.size - a)]
+        np.subtract(value[a: a + step], base[a: a + step], out=o)
+        np.right_shift(o, 8 * out.itemsize - 1, out=sign)
+        np.left_shift(o, 1, out=o)
+        np.bitwise_xor(o, sign, out=o)
 
 
 def unzigzag_add(out: np.ndarray, stored: np.ndarray) -> None:
-    """numpy's :func:`amber_store.codecs.kernels.unzigzag_add`: ``out += (stored >>> 1) ^
-    -(stored & 1)``, on the unsigned view (a logical shift), in scratch buffers."""
+    """numpy's :func:`amber_store.codecs.kernels.unzigzag_add` on flat signed ints of one width:
+    ``out += (stored >>> 1) ^ -(stored & 1)``, on the unsigned view (a logical shift), in
+    scratch buffers."""
     u = stored.view(_UNSIGNED[stored.itemsize])
-    half = scratch(u.nbytes, 1).view(u.dtype)
-    neg = scratch(u.nbytes, 2).view(u.dtype)
-    np.right_shift(u, 1, out=half)
-    np.bitwise_and(u, 1, out=neg)
-    np.negative(neg, out=neg)
-    np.bitwise_xor(half, neg, out=half)
-    np.add(out, half.view(out.dtype), out=out)
+    step = PIECE_BYTES // u.itemsize
+    nbytes = min(u.nbytes, PIECE_BYTES)
+    half_all, neg_all = scratch(nbytes, 1).view(u.dtype), scratch(nbytes, 2).view(u.dtype)
+    for a in _pieces(u.size, u.itemsize):
+        z = u[a: a + step]
+        half, neg = half_all[: z.size], neg_all[: z.size]
+        np.right_shift(z, 1, out=half)
+        np.bitwise_and(z, 1, out=neg)
+        np.negative(neg, out=neg)
+        np.bitwise_xor(half, neg, out=half)
+        o = out[a: a + step]
+        np.add(o, half.view(out.dtype), out=o)
