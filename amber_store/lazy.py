@@ -150,16 +150,24 @@ class LazyTensor:
     def __neg__(self) -> torch.Tensor:
         return -self.materialize()
 
-    async def _read(self, index: Index, session: ReadSession | None = None) -> torch.Tensor:
+    async def _read(self, index: Index, session: ReadSession | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The selection; ``out``: a tensor that :meth:`fits` the whole tensor, filled instead."""
         if self._pieces is not None:
             return await self._assemble(index, session)
         region, local = _plan(index, self._shape, tuple(self._entry.chunks))
         if region is None:
             return self._empty(local)
         # decoded straight into the tensor returned (torch's memory: see format.host_empty)
-        out = torch.empty([r.stop - r.start for r in region], dtype=DTYPES[self._dtype])
-        await self._reader.read(self.step, self.key, region, session=session, out=bits_to_numpy(to_bits(out)))
+        if out is None:
+            out = torch.empty([r.stop - r.start for r in region], dtype=DTYPES[self._dtype])
+        await self._reader.read(self.step, self.key, region, session=session, out=bits_to_numpy(to_bits(out.detach())))
         return out[local]
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Whether the whole tensor can be decoded straight into ``t``'s memory: a plain CPU
+        tensor (or parameter) of its shape and dtype, contiguous."""
+        return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and self._pieces is None
+                and tuple(t.shape) == self._shape and t.dtype == DTYPES[self._dtype] and t.is_contiguous())
 
     async def _assemble(self, index: Index, session: ReadSession | None) -> torch.Tensor:
         """Read the selection from the pieces it overlaps, each only over the overlap."""
@@ -289,6 +297,42 @@ class LazyStateDict(Mapping[Any, Any]):
         return materialize(self, device)
 
 
+def destinations(obj: Any, into: Any) -> dict[int, list[torch.Tensor]]:
+    """The tensors of ``into``, a state tree of the loaded one's form (``model.state_dict()``, a
+    dict of them), that :func:`materialize` fills in place, by the id of the LazyTensor at the
+    same place in ``obj``: a CPU tensor that :meth:`LazyTensor.fits` is decoded into, any other
+    copied into (on its device). Places that ``into`` lacks, or holds no tensor at, are read
+    into new tensors (tied ones: every destination). Raises ValueError, before anything is read,
+    for a tensor of another shape or dtype. A read that fails midway leaves its destination
+    partly written."""
+    found: dict[int, list[torch.Tensor]] = {}
+
+    def walk(o: Any, i: Any, path: str) -> None:
+        if isinstance(o, LazyTensor):
+            if isinstance(i, torch.Tensor):
+                if tuple(i.shape) != o._shape or i.dtype != o.dtype:
+                    raise ValueError(f"into[{path}] is {i.dtype} {tuple(i.shape)}; step {o.step} holds "
+                                     f"{o.dtype} {o._shape} there")
+                found.setdefault(id(o), []).append(i)
+        elif isinstance(o, (LazyStateDict, dict)) and isinstance(i, Mapping):
+            for k, v in o.items():
+                if k in i:
+                    walk(v, i[k], f"{path}.{k}" if path else str(k))
+        elif type(o) in (list, tuple) and isinstance(i, (list, tuple)):
+            for n, (v, w) in enumerate(zip(o, i)):
+                walk(v, w, f"{path}[{n}]")
+
+    if into is not None:
+        walk(obj, into, "")
+    return found
+
+
+def _copy_into(tos: list[torch.Tensor], t: torch.Tensor) -> None:
+    with torch.no_grad():
+        for to in tos:
+            to.copy_(t)
+
+
 # The containers a state tree rebuilds (exact types: a torch.Size is a tuple but holds no tensors).
 _SEQUENCES = (list, tuple, set, frozenset)
 
@@ -304,13 +348,15 @@ def _lazy_leaves(obj: Any) -> Iterator[LazyTensor]:
             yield from _lazy_leaves(v)
 
 
-def materialize(obj: Any, device: torch.device | str | None = None, *, damaged: dict[str, str] | None = None) -> Any:
+def materialize(obj: Any, device: torch.device | str | None = None, *, damaged: dict[str, str] | None = None,
+                into: Any = None) -> Any:
     """Replace every :class:`LazyTensor` in a tree by its tensor; containers become plain.
 
     ``damaged``: if given, a tensor whose stored data is damaged (:class:`CorruptDataError`)
     is left out (its dict key dropped, its list or tuple item ``None``) and recorded here, key
-    -> error, instead of failing the whole read."""
+    -> error, instead of failing the whole read. ``into``: see :func:`destinations`."""
     leaves = list({id(lt): lt for lt in _lazy_leaves(obj)}.values())  # tied weights: read once
+    dest = destinations(obj, into)
 
     target = None if device is None else torch.device(device)
     # An accelerator's copies run on a thread of their own, each as soon as its tensor is decoded:
@@ -322,14 +368,21 @@ def materialize(obj: Any, device: torch.device | str | None = None, *, damaged: 
         session = ReadSession()
 
         async def one(lt: LazyTensor) -> torch.Tensor | None:
+            tos = dest.get(id(lt), [])
+            fit = next((to for to in tos if lt.fits(to)), None)
             async with sem:
                 try:
-                    t = await lt._read(Ellipsis, session)
+                    t = await lt._read(Ellipsis, session, fit)
                 except CorruptDataError as e:
                     if damaged is None:
                         raise
                     damaged[lt.key] = str(e)
                     return None
+            rest = [to for to in tos if to is not fit]  # (on another device, strided, or tied)
+            if rest:
+                await asyncio.get_running_loop().run_in_executor(_transfer_thread(), _copy_into, rest, t)
+            if tos:
+                return tos[0]
             if moving:
                 t = await asyncio.get_running_loop().run_in_executor(_transfer_thread(), t.to, target)
             return t

@@ -165,7 +165,8 @@ class CheckpointManager:
             return self._restore_sharded(model, optimizer, step)
         if step is None and self.store.latest() is None:
             return None
-        state = self.store.load(step, lazy=False)
+        # the model's tensors are decoded into directly; load_state_dict then checks its keys
+        state = self.store.load(step, lazy=False, into=None if model is None else {"model": model.state_dict()})
         if model is not None:
             model.load_state_dict(state["model"])
         if optimizer is not None:

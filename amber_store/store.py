@@ -388,7 +388,7 @@ class Store:
     # --- loading ------------------------------------------------------------------------
 
     def load(self, step: int | None = None, *, lazy: bool = True, device: torch.device | str | None = None,
-             tree: dict[str, Any] | None = None, strict: bool = True) -> Any:
+             tree: dict[str, Any] | None = None, strict: bool = True, into: Any = None) -> Any:
         """Open a committed step (``None``: the latest).
 
         Lazy (default): a structure mirroring the saved state dict whose dicts are
@@ -404,6 +404,13 @@ class Store:
         stored items. ``strict=False`` (with ``lazy=False``): tensors whose stored data is
         damaged are left out, and a warning names them, instead of failing the whole load
         (``amber-store verify`` says which chunks).
+
+        ``into`` (implies ``lazy=False``): a state tree of the step's form whose tensors are
+        filled in place, as ``torch.distributed.checkpoint.load`` fills its state dict, e.g.
+        ``store.load(step, into=model.state_dict())`` for a model built before the resume: its
+        CPU tensors are decoded into directly (no new memory, no copy), others copied into; the
+        result holds them. A tensor of another shape or dtype than the step's raises ValueError
+        before anything is read (:func:`amber_store.lazy.destinations`).
         """
         if step is None:
             step = self.latest()
@@ -424,10 +431,10 @@ class Store:
                 (offset, LazyTensor(self.reader, step, item, m.tensors[item])) for offset, item in t.shards])
 
         lazy_sd = fmt.unflatten(m.tree if tree is None else tree, leaf, LazyStateDict)
-        if lazy:
+        if lazy and into is None:
             return lazy_sd
         damaged: dict[str, str] | None = None if strict else {}
-        state = materialize(lazy_sd, device, damaged=damaged)
+        state = materialize(lazy_sd, device, damaged=damaged, into=into)
         if damaged:
             warn(f"{self.uri}: step {step}: left out {len(damaged)} damaged tensor(s): "
                  f"{', '.join(sorted(damaged))}; `amber-store verify` names their chunks")

@@ -6,7 +6,10 @@ what the other benchmarks time.
 A local store (page cache warm: every file was just written) holds a full step and a delta step
 of a GPT-like fp32 state; torch.save wrote the delta step's state to one file. Each round runs
 every case once in its own process, in an order rotated from round to round; figures are
-medians (and ranges) over rounds. ``--before DIR`` adds the same loads by the amber_store of
+medians (and ranges) over rounds. Two more cases load into the tensors of a model built (and
+touched) before the clock, as a resume does: torch.load, then a copy into them as
+``load_state_dict`` makes, against ``load(into=...)``, which decodes straight into them; their
+ratios are against the first. ``--before DIR`` adds the same loads by the amber_store of
 another checkout (``git worktree add DIR REV``), interleaved: a change's effect, same minutes.
 
     python benchmarks/cold_load.py --mb 1024 --rounds 5
@@ -35,19 +38,26 @@ import torch, amber_store as amber
 from amber_store import store  # (amber_store imports its modules lazily)
 imports = time.perf_counter() - t0
 kind, root, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+into = {}
+if kind.endswith(" into a model"):  # the model a resume builds first: its tensors made and touched
+    into = {"into": {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in amber.open(f"{root}/store", mode="r").load(2).items()}}
 out = []
 for _ in range(repeats):
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    if kind == "torch.load":
+    if kind.startswith("torch.load"):
         state = torch.load(f"{root}/state.pt", weights_only=True)
+        for k, t in into.get("into", {}).items():  # what model.load_state_dict(state) does
+            t.copy_(state[k])
     else:
-        state = amber.open(f"{root}/store", mode="r").load(1 if kind == "full step" else 2, lazy=False)
+        state = amber.open(f"{root}/store", mode="r").load(1 if kind == "full step" else 2, lazy=False, **into)
     t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     out.append({"seconds": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime})
     del state
 print(json.dumps({"imports": imports, "loads": out}))
 """
 CASES = ["torch.load", "full step", "delta step"]
+#: loads into the tensors of a model built before them (``load(into=...)``; torch.load, then copied)
+INTO = ["torch.load into a model", "delta step into a model"]
 BEFORE = " (before)"
 
 
@@ -92,7 +102,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     p.add_argument("--before", type=Path, help="a checkout whose amber_store loads the same steps too")
     args = p.parse_args()
-    cases = CASES + ([f"full step{BEFORE}", f"delta step{BEFORE}"] if args.before else [])
+    cases = CASES + INTO + ([f"full step{BEFORE}", f"delta step{BEFORE}"] if args.before else [])
     root = Path(tempfile.mkdtemp(prefix="amber-cold-"))
     cold: dict[str, list[dict]] = {k: [] for k in cases}
     imports: dict[str, list[float]] = {k: [] for k in cases}
@@ -110,14 +120,17 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    base = statistics.median(x["seconds"] for x in cold["torch.load"])
-    base_warm = statistics.median(x["seconds"] for x in warm["torch.load"])
+    def peer(kind: str) -> str:
+        return INTO[0] if kind in INTO else CASES[0]
+
     before = f" --before {args.before}" if args.before else ""
     print(f"`python benchmarks/cold_load.py --mb {args.mb} --rounds {args.rounds}{before}`; machine: {machine()}; "
           f"state {args.mb} MiB fp32 (a full step and a delta step 1e-4 of the weights' scale apart); page cache warm\n")
     rows = []
     for kind in cases:
         secs = [x["seconds"] for x in cold[kind]]
+        base = statistics.median(x["seconds"] for x in cold[peer(kind)])
+        base_warm = statistics.median(x["seconds"] for x in warm[peer(kind)])
         rows.append([kind, spread(secs), f"{statistics.median(secs) / base:.2f}x",
                      f"{statistics.median(x['user'] for x in cold[kind]):.2f}",
                      f"{statistics.median(x['sys'] for x in cold[kind]):.2f}", spread(imports[kind]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import subprocess
@@ -17,6 +18,7 @@ from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
 import amber_store as amber
+from amber_store import lazy as lazy_module
 from amber_store import reader as reader_module
 from conftest import CountingStore, assert_bit_equal, assert_tree_bit_equal, is_data_key
 
@@ -173,6 +175,43 @@ def test_a_resume_decodes_straight_into_torch_memory_not_numpys_huge_pages(local
     if not got["numpy"]:
         pytest.skip("this kernel shows no huge-page advice")
     assert got["equal"] and got["loaded"] == [got["torch"]] * 2
+
+
+def test_a_load_into_a_state_dict_fills_its_tensors_in_place_bit_exactly(local_store, monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.LayerNorm(1024))
+    extra = {"bf16": torch.randn(300, 7).to(torch.bfloat16), "strided": torch.randn(64, 32), "count": torch.tensor(5)}
+    store = local_store()
+    store.save(1, {"model": model.state_dict(), "extra": extra})
+    with torch.no_grad():
+        model[0].weight[:4] += 1e-3
+    extra["bf16"][0] += 1
+    saved = {"model": copy.deepcopy(model.state_dict()), "extra": extra}
+    store.save(2, saved)
+
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.LayerNorm(1024))
+    into = {"model": fresh.state_dict(),
+            "extra": {"bf16": torch.zeros(300, 7, dtype=torch.bfloat16), "strided": torch.zeros(32, 64).t()}}
+    where = {k: v.data_ptr() for k, v in into["model"].items()}
+    copied = []  # destinations filled by a copy rather than decoded into
+    monkeypatch.setattr(lazy_module, "_copy_into", lambda tos, t: copied.extend(tos) or [to.copy_(t) for to in tos])
+    out = local_store(mode="r").load(2, into=into)
+    assert len(copied) == 1 and copied[0] is into["extra"]["strided"]
+    assert_tree_bit_equal(out, saved)
+    assert_tree_bit_equal(fresh.state_dict(), saved["model"])  # the model's own parameters
+    assert all(out["model"][k] is into["model"][k] and v.data_ptr() == where[k] for k, v in out["model"].items())
+    assert out["extra"]["strided"] is into["extra"]["strided"] and not into["extra"]["strided"].is_contiguous()
+    assert_bit_equal(into["extra"]["bf16"], extra["bf16"])
+    assert out["extra"]["count"].item() == 5  # not in `into`: read into a new tensor
+
+
+def test_a_load_into_a_tensor_of_another_shape_or_dtype_is_refused_before_anything_is_written(local_store):
+    store = local_store()
+    store.save(1, {"a": torch.randn(16, 8), "b": torch.randn(4)})
+    for wrong, says in (({"a": torch.zeros(8, 16), "b": torch.zeros(4)}, r"into\[a\] is torch.float32 \(8, 16\)"),
+                        ({"a": torch.zeros(16, 8), "b": torch.zeros(4, dtype=torch.float64)}, r"into\[b\] is torch.float64")):
+        with pytest.raises(ValueError, match=says):
+            store.load(1, into=wrong)
+        assert all(not t.any() for t in wrong.values())
 
 
 def test_a_read_into_an_array_of_another_shape_or_dtype_is_refused(local_store):
