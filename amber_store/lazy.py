@@ -150,7 +150,8 @@ class LazyTensor:
     def __neg__(self) -> torch.Tensor:
         return -self.materialize()
 
-    async def _read(self, index: Index, session: ReadSession | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    async def _read(self, index: Index, session: ReadSession | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """The selection; ``out``: a tensor that :meth:`fits` the whole tensor, filled instead."""
         if self._pieces is not None:
             return await self._assemble(index, session)

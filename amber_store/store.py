@@ -407,9 +407,9 @@ class Store:
 
         ``into`` (implies ``lazy=False``): a state tree of the step's form whose tensors are
         filled in place, as ``torch.distributed.checkpoint.load`` fills its state dict, e.g.
-        ``store.load(step, into=model.state_dict())`` for a model built before the resume: its
-        CPU tensors are decoded into directly (no new memory, no copy), others copied into; the
-        result holds them. A tensor of another shape or dtype than the step's raises ValueError
+        ``store.load(step, into={"model": model.state_dict()})`` for a model built before the
+        resume: its CPU tensors are decoded into directly (no new memory, no copy), others
+        copied into; the result holds them. A tensor of another shape or dtype than the step's raises ValueError
         before anything is read (:func:`amber_store.lazy.destinations`).
         """
         if step is None:

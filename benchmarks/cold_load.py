@@ -40,7 +40,8 @@ imports = time.perf_counter() - t0
 kind, root, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
 into = {}
 if kind.endswith(" into a model"):  # the model a resume builds first: its tensors made and touched
-    into = {"into": {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in amber.open(f"{root}/store", mode="r").load(2).items()}}
+    lazy = amber.open(f"{root}/store", mode="r").load(2)
+    into = {"into": {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in lazy.items()}}
 out = []
 for _ in range(repeats):
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()

@@ -207,8 +207,10 @@ def test_a_load_into_a_state_dict_fills_its_tensors_in_place_bit_exactly(local_s
 def test_a_load_into_a_tensor_of_another_shape_or_dtype_is_refused_before_anything_is_written(local_store):
     store = local_store()
     store.save(1, {"a": torch.randn(16, 8), "b": torch.randn(4)})
-    for wrong, says in (({"a": torch.zeros(8, 16), "b": torch.zeros(4)}, r"into\[a\] is torch.float32 \(8, 16\)"),
-                        ({"a": torch.zeros(16, 8), "b": torch.zeros(4, dtype=torch.float64)}, r"into\[b\] is torch.float64")):
+    wrong_shape = {"a": torch.zeros(8, 16), "b": torch.zeros(4)}
+    wrong_dtype = {"a": torch.zeros(16, 8), "b": torch.zeros(4, dtype=torch.float64)}
+    for wrong, says in ((wrong_shape, r"into\[a\] is torch.float32 \(8, 16\)"),
+                        (wrong_dtype, r"into\[b\] is torch.float64")):
         with pytest.raises(ValueError, match=says):
             store.load(1, into=wrong)
         assert all(not t.any() for t in wrong.values())
