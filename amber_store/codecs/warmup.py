@@ -13,6 +13,7 @@ started by the load, 0.26 s by numpy alone, 0.22 s with kernels warmed before th
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -57,8 +58,9 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 PIECE_BYTES = 128 << 10
 
 
-def _pieces(n: int, itemsize: int) -> range:
-    return range(0, n, max(1, PIECE_BYTES // itemsize))
+def _pieces(n: int, itemsize: int) -> Iterator[slice]:
+    step = PIECE_BYTES // itemsize
+    return (slice(a, a + step) for a in range(0, n, step))
 
 
 def zigzag_diff(out: np.ndarray, value: np.ndarray, base: np.ndarray) -> None:
@@ -66,11 +68,11 @@ def zigzag_diff(out: np.ndarray, value: np.ndarray, base: np.ndarray) -> None:
     ufuncs wrap modulo 2**width as the kernel's truncating stores do. Its temporary is a scratch
     buffer of the calling thread (a fresh one per chunk faults its pages in: most of the time,
     cold)."""
-    step = PIECE_BYTES // out.itemsize
-    sign_all = scratch(min(out.nbytes, PIECE_BYTES), 1).view(out.dtype)
-    for a in _pieces(out.size, out.itemsize):
-        o, sign = out[a: a + step], sign_all[: min(step, out.size - a)]
-        np.subtract(value[a: a + step], base[a: a + step], out=o)
+    signs = scratch(min(out.nbytes, PIECE_BYTES), 1).view(out.dtype)
+    for piece in _pieces(out.size, out.itemsize):
+        o = out[piece]
+        sign = signs[: o.size]
+        np.subtract(value[piece], base[piece], out=o)
         np.right_shift(o, 8 * out.itemsize - 1, out=sign)
         np.left_shift(o, 1, out=o)
         np.bitwise_xor(o, sign, out=o)
@@ -81,15 +83,14 @@ def unzigzag_add(out: np.ndarray, stored: np.ndarray) -> None:
     ``out += (stored >>> 1) ^ -(stored & 1)``, on the unsigned view (a logical shift), in
     scratch buffers."""
     u = stored.view(_UNSIGNED[stored.itemsize])
-    step = PIECE_BYTES // u.itemsize
     nbytes = min(u.nbytes, PIECE_BYTES)
-    half_all, neg_all = scratch(nbytes, 1).view(u.dtype), scratch(nbytes, 2).view(u.dtype)
-    for a in _pieces(u.size, u.itemsize):
-        z = u[a: a + step]
-        half, neg = half_all[: z.size], neg_all[: z.size]
+    halves, negs = scratch(nbytes, 1).view(u.dtype), scratch(nbytes, 2).view(u.dtype)
+    for piece in _pieces(u.size, u.itemsize):
+        z = u[piece]
+        half, neg = halves[: z.size], negs[: z.size]
         np.right_shift(z, 1, out=half)
         np.bitwise_and(z, 1, out=neg)
         np.negative(neg, out=neg)
         np.bitwise_xor(half, neg, out=half)
-        o = out[a: a + step]
+        o = out[piece]
         np.add(o, half.view(out.dtype), out=o)
