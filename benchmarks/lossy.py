@@ -36,19 +36,21 @@ from amber_store.export import flat_tensors  # noqa: E402
 from benchmarks.common import eval_loss, machine, table, training_run_args  # noqa: E402
 
 
+def rules(weights: float, exp_avg: float, exp_avg_sq: float, drift: float | None = None) -> list:
+    """A policy of the ``"lossy"`` preset's form at other steps: Adam's ``exp_avg_sq`` by ratio,
+    ``exp_avg`` and everything else by blocks (those with ``drift``, if given)."""
+    return [("*exp_avg_sq", amber.RatioDeltaCodec(step=exp_avg_sq)), ("*exp_avg", amber.BlockDeltaCodec(step=exp_avg)),
+            ("*", amber.BlockDeltaCodec(step=weights, drift=drift))]
+
+
 def policies() -> dict[str, Any]:
     """The codecs on the plot: the preset, finer and coarser variants of it, the older codecs."""
-    block, ratio = amber.BlockDeltaCodec, amber.RatioDeltaCodec
-
-    def lossy(weights: float, exp_avg: float, exp_avg_sq: float) -> list:
-        return [("*exp_avg_sq", ratio(step=exp_avg_sq)), ("*exp_avg", block(step=exp_avg)), ("*", block(step=weights))]
-
     return {
         "lossy (preset)": "lossy",
-        "lossy, finer": lossy(0.05, 3.0, 0.1),
-        "lossy, coarser": lossy(0.2, 12.0, 0.4),
-        "lossy, exp_avg kept (step 1)": lossy(0.1, 1.0, 0.2),
-        "lossy, exp_avg step 6 (the preset before)": lossy(0.1, 6.0, 0.2),
+        "lossy, finer": rules(0.05, 3.0, 0.1),
+        "lossy, coarser": rules(0.2, 12.0, 0.4),
+        "lossy, exp_avg kept (step 1)": rules(0.1, 1.0, 0.2),
+        "lossy, exp_avg step 6 (the preset before)": rules(0.1, 6.0, 0.2),
         "quant4": "quant4",
         "quant8": "quant8",
         "sparse 2%": "sparse",

@@ -39,36 +39,26 @@ import amber_store as amber  # noqa: E402
 from amber_store.demo import GPTConfig, TinyGPT, Trainer, corpus  # noqa: E402
 from amber_store.history import AUTO, PARENTS  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
-from benchmarks.lossy import _serialized, kind_of, perturbed, resumed_loss  # noqa: E402
+from benchmarks.lossy import _serialized, kind_of, perturbed, resumed_loss, rules  # noqa: E402
 
-#: name -> codec policy (the lossless store is the reference)
+#: name -> codec policy (the lossless store is the reference); rules(weights, exp_avg, exp_avg_sq, drift)
 POLICIES: dict[str, Any] = {
     "lossy (preset)": "lossy",
     # steps picked on these six trajectories: exp_avg_sq coarser (its error hardly moved the
     # resumed loss), weights coarser where a chunk drifted beyond 1% of its RMS since its base
-    "drift-scaled": [("*exp_avg_sq", amber.RatioDeltaCodec(step=1.0)), ("*exp_avg", amber.BlockDeltaCodec(step=64.0)),
-                     ("*", amber.BlockDeltaCodec(step=0.1, drift=0.01))],
+    "drift-scaled": rules(0.1, 64.0, 1.0, drift=0.01),
     # for the best ratio within 0.1%: weights 4x finer than the preset's, drift-scaled
-    "lossy, finer": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)), ("*exp_avg", amber.BlockDeltaCodec(step=1.0)),
-                     ("*", amber.BlockDeltaCodec(step=0.025, drift=0.01))],
+    "lossy, finer": rules(0.025, 1.0, 0.2, drift=0.01),
 }
 #: Variants (run them with --policies): the preset and drift-scaled as they were with exp_avg
 #: coded at step 6 and 12, drift-scaled's two changes apart, and the finer policy with exp_avg
 #: at its base (RESULTS.md)
 VARIANTS: dict[str, Any] = {
-    "preset, exp_avg step 6": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)),
-                               ("*exp_avg", amber.BlockDeltaCodec(step=6.0)), ("*", amber.BlockDeltaCodec(step=0.1))],
-    "drift-scaled, exp_avg step 12": [("*exp_avg_sq", amber.RatioDeltaCodec(step=1.0)),
-                                      ("*exp_avg", amber.BlockDeltaCodec(step=12.0)),
-                                      ("*", amber.BlockDeltaCodec(step=0.1, drift=0.01))],
-    "drift-scaled weights only": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)),
-                                  ("*exp_avg", amber.BlockDeltaCodec(step=6.0)),
-                                  ("*", amber.BlockDeltaCodec(step=0.1, drift=0.01))],
-    "coarser moments only": [("*exp_avg_sq", amber.RatioDeltaCodec(step=1.0)),
-                             ("*exp_avg", amber.BlockDeltaCodec(step=12.0)), ("*", amber.BlockDeltaCodec(step=0.1))],
-    "finer, exp_avg at its base": [("*exp_avg_sq", amber.RatioDeltaCodec(step=0.2)),
-                                   ("*exp_avg", amber.BlockDeltaCodec(step=64.0)),
-                                   ("*", amber.BlockDeltaCodec(step=0.025, drift=0.01))],
+    "preset, exp_avg step 6": rules(0.1, 6.0, 0.2),
+    "drift-scaled, exp_avg step 12": rules(0.1, 12.0, 1.0, drift=0.01),
+    "drift-scaled weights only": rules(0.1, 6.0, 0.2, drift=0.01),
+    "coarser moments only": rules(0.1, 12.0, 1.0),
+    "finer, exp_avg at its base": rules(0.025, 64.0, 0.2, drift=0.01),
 }
 
 
