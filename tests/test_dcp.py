@@ -287,6 +287,16 @@ def test_an_fsdp2_step_opens_in_one_process_as_the_nested_state_its_ranks_saved(
         assert_tree_bit_equal(store.load(step, lazy=False, device="cpu"), expected)
 
 
+def test_a_sharded_step_loads_into_a_state_dict_in_place_as_a_single_process_step_does(fsdp_local):
+    uri, _, out = fsdp_local
+    expected = expected_state(out, 20)
+    into = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    got = amber.open(uri, mode="r").load(20, into=into)
+    assert_tree_bit_equal(got, expected)
+    assert all(got["model"][k] is t for k, t in into["model"].items())
+    assert_tree_bit_equal(into["model"], expected["model"])
+
+
 def test_a_slice_of_a_sharded_tensor_reads_only_the_chunks_it_overlaps_in_each_shard(fsdp_local):
     uri, _, out = fsdp_local
     counting = CountingStore(LocalStore(uri, read_only=True))
