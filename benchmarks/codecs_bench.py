@@ -109,12 +109,13 @@ def main() -> None:
         "block step 0.01": lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.01)),
         "ratio step 0.01 (positive values)": lambda: encode(amber.RatioDeltaCodec(0, "b", step=0.01),
                                                             positive_value, positive_bits),
-        # the preset's step for weights: a 1% change is a few codes per block; with drift, a
-        # pass more per chunk measures how far it moved (1%: just at benchmarks/regimes.py's 0.01)
-        "block step 0.1 (the preset's weights)": lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.1)),
+        # the preset's steps for weights and exp_avg_sq: a 1% change is a few codes per block;
+        # with drift, a pass more per chunk measures how far it moved (1%: just at
+        # benchmarks/regimes.py's 0.01)
+        "block step 0.15 (the preset's weights)": lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.15)),
         "block step 0.1, drift 0.01 (regimes.py's drift-scaled weights)":
             lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.1, drift=0.01)),
-        "ratio step 1.0 (regimes.py's drift-scaled exp_avg_sq)":
+        "ratio step 1.0 (the preset's exp_avg_sq)":
             lambda: encode(amber.RatioDeltaCodec(0, "b", step=1.0), positive_value, positive_bits),
         # coarser steps leave most codes zero, as in most chunks of the preset's 10-step deltas
         # late in training: those chunks store a nonzero bitmap and the nonzero codes

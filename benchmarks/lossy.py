@@ -48,9 +48,9 @@ def policies() -> dict[str, Any]:
     return {
         "lossy (preset)": "lossy",
         "lossy, finer": rules(0.05, 3.0, 0.1),
-        "lossy, coarser": rules(0.2, 12.0, 0.4),
-        "lossy, exp_avg kept (step 1)": rules(0.1, 1.0, 0.2),
-        "lossy, exp_avg step 6 (the preset before)": rules(0.1, 6.0, 0.2),
+        "lossy, coarser": rules(0.3, 64.0, 1.0),
+        "lossy, exp_avg kept (step 1)": rules(0.15, 1.0, 1.0),
+        "the preset before (weights 0.1, exp_avg_sq 0.2)": rules(0.1, 64.0, 0.2),
         "quant4": "quant4",
         "quant8": "quant8",
         "sparse 2%": "sparse",

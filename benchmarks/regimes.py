@@ -15,6 +15,7 @@ segment's full step). The preset's fixed steps are compared with steps that grow
 
     python benchmarks/regimes.py            # ~12 minutes on 2 cores
     python benchmarks/regimes.py --width 256 --layers 2 --scale 150 --lr-scale 2   # other runs
+    python benchmarks/regimes.py --merge a.json b.json   # runs of other policies, reported as one
 """
 
 from __future__ import annotations
@@ -47,18 +48,19 @@ POLICIES: dict[str, Any] = {
     # steps picked on these six trajectories: exp_avg_sq coarser (its error hardly moved the
     # resumed loss), weights coarser where a chunk drifted beyond 1% of its RMS since its base
     "drift-scaled": rules(0.1, 64.0, 1.0, drift=0.01),
-    # for the best ratio within 0.1%: weights 4x finer than the preset's, drift-scaled
+    # for the best ratio within 0.1%: weights 6x finer than the preset's, drift-scaled
     "lossy, finer": rules(0.025, 1.0, 0.2, drift=0.01),
 }
-#: Variants (run them with --policies): the preset and drift-scaled as they were with exp_avg
-#: coded at step 6 and 12, drift-scaled's two changes apart, and the finer policy with exp_avg
-#: at its base (RESULTS.md)
+#: Variants (run them with --policies): the presets before (weights 0.1, exp_avg_sq 0.2; before
+#: that with exp_avg coded at step 6), drift-scaled with exp_avg coded at step 12 and its two
+#: changes apart, and the finer policy with exp_avg at its base (RESULTS.md)
 VARIANTS: dict[str, Any] = {
     "preset, exp_avg step 6": rules(0.1, 6.0, 0.2),
     "drift-scaled, exp_avg step 12": rules(0.1, 12.0, 1.0, drift=0.01),
     "drift-scaled weights only": rules(0.1, 6.0, 0.2, drift=0.01),
     "coarser moments only": rules(0.1, 12.0, 1.0),
     "finer, exp_avg at its base": rules(0.025, 64.0, 0.2, drift=0.01),
+    "the preset before (weights 0.1, exp_avg_sq 0.2)": rules(0.1, 64.0, 0.2),
 }
 
 
@@ -229,34 +231,30 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--width", type=int, default=192)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--window", type=int, default=200, help="steps checkpointed, every 10")
-    p.add_argument("--resume-steps", type=int, default=150)
-    p.add_argument("--scale", type=int, default=100, help="mid starts at 3x, the fine-tune at 4x this many steps")
-    p.add_argument("--lr-scale", type=float, default=1.0, help="multiplies every learning rate")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES | VARIANTS),
-                   help="lossy policies beside the lossless reference (default: %(default)s)")
-    p.add_argument("--plot", type=Path)
-    p.add_argument("--json", type=Path)
-    args = p.parse_args()
-    text = corpus(4_000_000)
-    root = Path(tempfile.mkdtemp(prefix="amber-regimes-"))
-    started = time.perf_counter()
-    try:
-        results = [run_trajectory(t, args, text, root)
-                   for m in args.models for t in trajectories(m, args.scale, args.lr_scale)]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def merged(paths: list[Path]) -> dict[str, Any]:
+    """Runs of the same trajectories with other policies, as one: each trajectory's codecs from
+    every run (the first run's name wins), their lossless references checked to agree."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    out = runs[0]
+    for run in runs[1:]:
+        for mine, theirs in zip(out["results"], run["results"], strict=True):
+            if (mine["trajectory"], mine["reference_loss"]) != (theirs["trajectory"], theirs["reference_loss"]):
+                raise SystemExit(f"{mine['trajectory']}: not the same run ({theirs['trajectory']}, "
+                                 f"reference loss {theirs['reference_loss']} against {mine['reference_loss']})")
+            mine["codecs"] |= {k: v for k, v in theirs["codecs"].items() if k not in mine["codecs"]}
+        out["args"]["policies"] += [p for p in run["args"]["policies"] if p not in out["args"]["policies"]]
+    return out
+
+
+def report(data: dict[str, Any]) -> None:
+    args, results = data["args"], data["results"]
     print(f"machine: {machine()}")
-    sizes = ", ".join(f"{m} {r['params'] / 1e6:.2f}M" for m, r in zip(args.models, results[::3]))
-    print(f"models: width {args.width}, {args.layers} layers ({sizes} params), AdamW weight decay 0.1, trained at lr {1e-3 * args.lr_scale:g} before the window; checkpoints every 10 steps "
-          f"for {args.window} steps (full_every=10), then {args.resume_steps} steps resumed from the last and from "
-          f"the one spanning most (step {results[0]['deepest']['step'] - results[0]['window_start']} of the window); "
-          f"{(time.perf_counter() - started) / 60:.0f} minutes\n")
+    sizes = ", ".join(f"{m} {r['params'] / 1e6:.2f}M" for m, r in zip(args["models"], results[::3]))
+    minutes = f"; {data['minutes']:.0f} minutes" if "minutes" in data else ""
+    print(f"models: width {args['width']}, {args['layers']} layers ({sizes} params), AdamW weight decay 0.1, trained "
+          f"at lr {1e-3 * args['lr_scale']:g} before the window; checkpoints every 10 steps for {args['window']} steps "
+          f"(full_every=10), then {args['resume_steps']} steps resumed from the last and from the one spanning most "
+          f"(step {results[0]['deepest']['step'] - results[0]['window_start']} of the window){minutes}\n")
     rows = []
     for r in results:
         noise = max(abs(f) for f in r["noise_floor_pct"])
@@ -273,7 +271,7 @@ def main() -> None:
                  "resumed loss vs lossless (last step / spanning most)", "noise floor", "median drift from the base"],
                 rows))
     print()
-    for name in args.policies:
+    for name in args["policies"]:
         held = [r for r in results
                 if r["codecs"][name]["ratio"] >= 50 and abs(r["codecs"][name]["loss_change_pct"]) <= 1]
         print(f"{name} holds >= 50x at <= 1% on {len(held)} of {len(results)} trajectories")
@@ -282,11 +280,42 @@ def main() -> None:
                   if name != "lossless" and abs(row["loss_change_pct"]) <= 0.1]
         best = f"{max(within)[0]:.1f}x ({max(within)[1]})" if within else "none"
         print(f"{r['trajectory']}: best ratio within 0.1% of the lossless resume: {best}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=192)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--window", type=int, default=200, help="steps checkpointed, every 10")
+    p.add_argument("--resume-steps", type=int, default=150)
+    p.add_argument("--scale", type=int, default=100, help="mid starts at 3x, the fine-tune at 4x this many steps")
+    p.add_argument("--lr-scale", type=float, default=1.0, help="multiplies every learning rate")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES | VARIANTS),
+                   help="lossy policies beside the lossless reference (default: %(default)s)")
+    p.add_argument("--plot", type=Path)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--merge", type=Path, nargs="+",
+                   help="report these runs' JSON (the same trajectories, other policies) as one; no run")
+    args = p.parse_args()
+    if args.merge:
+        data = merged(args.merge)
+    else:
+        text = corpus(4_000_000)
+        root = Path(tempfile.mkdtemp(prefix="amber-regimes-"))
+        started = time.perf_counter()
+        try:
+            results = [run_trajectory(t, args, text, root)
+                       for m in args.models for t in trajectories(m, args.scale, args.lr_scale)]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        data = {"args": vars(args) | {"json": None, "plot": None, "merge": None}, "results": results,
+                "minutes": (time.perf_counter() - started) / 60}
+    report(data)
     if args.plot:
-        plot(results, args.plot)
+        plot(data["results"], args.plot)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": None, "plot": None}, "results": results},
-                                        indent=1))
+        args.json.write_text(json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":
