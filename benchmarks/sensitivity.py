@@ -9,7 +9,13 @@ block)``, the allocation that minimizes sum(v * error^2) for the bits) is run at
 Fisher-weighted error and at multiples of it. Bits per weight: the codes' empirical entropy per
 tensor (what rANS approaches; side codes left out). Steps are powers of two, as the codec's.
 
+``--bits-only`` skips the resumes and measures what predicting the update would save instead: the
+residual after the best per-tensor multiple of Adam's direction ``exp_avg / sqrt(exp_avg_sq)`` at
+the delta's base (exact here: a reader would have the base's restored moments), coded at the
+same steps.
+
     python benchmarks/sensitivity.py --model mixer --end 200 --span 40
+    python benchmarks/sensitivity.py --bits-only --span 10
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def main() -> None:
     p.add_argument("--span", type=int, default=40, help="steps the delta spans")
     p.add_argument("--resume-steps", type=int, default=150)
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="data streams of the resumes")
+    p.add_argument("--bits-only", action="store_true", help="no resumes: bits with and without a predicted update")
     args = p.parse_args()
     text = corpus(4_000_000)
     split = int(len(text) * 0.95)
@@ -83,16 +90,36 @@ def main() -> None:
         w = new["model"][name]
         if w.numel() < 4096 or w.numel() % BLOCK:  # (what the codec leaves lossless or packs)
             continue
-        st = new["optim"]["state"][i]
+        st, st0 = new["optim"]["state"][i], base["optim"]["state"][i]
         v = st["exp_avg_sq"].double() / (1 - 0.999 ** float(st["step"]))
-        blocks[name] = tuple(t.double().reshape(-1, BLOCK) for t in (base["model"][name], w, v))
-    n = sum(w.numel() for _, w, _ in blocks.values())
+        m0 = st0["exp_avg"].double() / (1 - 0.9 ** float(st0["step"]))
+        v0 = st0["exp_avg_sq"].double() / (1 - 0.999 ** float(st0["step"]))
+        blocks[name] = tuple(t.double().reshape(-1, BLOCK) for t in (base["model"][name], w, v, m0 / (v0.sqrt() + 1e-8)))
+    n = sum(w.numel() for _, w, _, _ in blocks.values())
+    print(f"machine: {machine()}")
+    print(f"{args.model} width {args.width}, {args.layers} layers, AdamW lr {args.lr:g}: the weights' delta over steps "
+          f"{args.end - args.span}-{args.end} ({n} weights in {len(blocks)} tensors)", end="")
+    if args.bits_only:
+        rows = []
+        for step in (0.1, 0.15):
+            bits = {False: 0.0, True: 0.0}
+            for w0, w1, v, direction in blocks.values():
+                change, s = w1 - w0, value_rule(step)(w1, v)
+                kappa = float((change * direction).sum() / (direction * direction).sum())
+                for predicted in bits:
+                    bits[predicted] += entropy_bits(torch.round((change - kappa * direction * predicted) / s))
+            rows.append([f"values, step {step}", f"{bits[False] / n:.3f}", f"{bits[True] / n:.3f}",
+                         f"{bits[False] / bits[True]:.2f}x"])
+        print("\n")
+        print(table(["weights' step", "bits per weight", "bits, update predicted from the base's moments",
+                     "fewer bits"], rows))
+        return
 
     def apply(rule: Rule) -> tuple[dict, float, float, float]:
         """The new state with its weights quantized by ``rule``; bits per weight, Fisher-weighted
         and plain squared error."""
         state, bits, fisher, plain = copy.deepcopy(new), 0.0, 0.0, 0.0
-        for name, (w0, w1, v) in blocks.items():
+        for name, (w0, w1, v, _) in blocks.items():
             step = rule(w1, v)
             q = torch.round((w1 - w0) / step)
             restored = w0 + q * step
@@ -123,10 +150,7 @@ def main() -> None:
         changes = [(resume(state, seed) / reference[seed] - 1) * 100 for seed in args.seeds]
         rows.append([name, f"{bits:.3f}", f"{fisher / preset_fisher:.2f}x", f"{plain / preset_plain:.2f}x",
                      " ".join(f"{c:+.2f}%" for c in changes)])
-    print(f"machine: {machine()}")
-    print(f"{args.model} width {args.width}, {args.layers} layers, AdamW lr {args.lr:g}: the weights' delta over steps "
-          f"{args.end - args.span}-{args.end} ({n} weights in {len(blocks)} tensors) quantized, resumed "
-          f"{args.resume_steps} steps on data streams {args.seeds}\n")
+    print(f" quantized, resumed {args.resume_steps} steps on data streams {args.seeds}\n")
     print(table(["weights' step", "bits per weight", "Fisher-weighted error vs step 0.1", "squared error vs step 0.1",
                  "resumed loss vs the exact state's"], rows))
 
