@@ -215,12 +215,13 @@ class BlockDeltaCodec(CodedDelta):
     ``drift`` (off by default) makes the step grow where the values moved far since the base,
     as early in training: a chunk whose drift ``d`` (RMS change over RMS value, over the chunk;
     small tensors diffed together in one batch share the batch's) above ``drift`` is coded at
-    ``step * sqrt(d / drift)``. Measured (benchmarks/regimes.py, RESULTS.md): weights at
-    ``drift=0.01``, with ``exp_avg_sq`` coarser than the ``"lossy"`` preset's, stored delta steps
-    early in training 68-111x smaller than torch.save (the preset: 30-61x) at +0.3% to +0.7% of
-    resumed loss, but resumed benchmarks/lossy.py's 3.2M-parameter run +1.1% (mean of six data
-    streams, median +0.8%; the preset +0.3%, median +0.6%), so the preset does not use it. The
-    choice is the writer's alone: readers take each block's exponent from its side codes.
+    ``step * sqrt(d / drift)``. Measured (benchmarks/regimes.py, RESULTS.md): weights at step 0.1
+    and ``drift=0.01``, with the ``"lossy"`` preset's ``exp_avg_sq``, stored delta steps early in
+    training 68-111x smaller than torch.save (the preset, weights at a fixed 0.15: 50.5-94.4x) at
+    +0.3% to +0.7% of resumed loss, but resumed benchmarks/lossy.py's 3.2M-parameter run +1.1%
+    (mean of six data streams, median +0.8%; the preset +0.8%, median +1.0%, at a higher ratio),
+    so the preset does not use it. The choice is the writer's alone: readers take each block's
+    exponent from its side codes.
 
     Error bound, at every step of a chain: ``|restored - value| <= 2^e / 2`` per element of a
     block, with ``2^e <= sqrt(2) * step * g * rms(block's values)`` (``g``: the chunk's
