@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine, table  # noqa: E402
+from benchmarks.common import machine, rotated, table  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
@@ -111,12 +111,12 @@ def main() -> None:
     try:
         prepare(root, args.mb)
         for r in range(args.rounds):
-            for kind in cases[r % len(cases):] + cases[: r % len(cases)]:
+            for kind in rotated(cases, r):
                 got = child(kind, root, 1, args.before)
                 cold[kind].append(got["loads"][0])
                 imports[kind].append(got["imports"])
         for r in range(max(1, args.rounds // 2)):  # warm: the second to fifth loads of one process
-            for kind in cases[r % len(cases):] + cases[: r % len(cases)]:
+            for kind in rotated(cases, r):
                 warm[kind] += child(kind, root, 5, args.before)["loads"][1:]
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -6,7 +6,7 @@ import argparse
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -26,6 +26,16 @@ def rate(mb: float, seconds: list[float]) -> str:
 
 def median_rate(mb: float, seconds: list[float]) -> float:
     return statistics.median(mb / s for s in seconds)
+
+
+T = TypeVar("T")
+
+
+def rotated(items: list[T], round_: int) -> list[T]:
+    """``items`` in the order of round ``round_`` of an interleaved benchmark: each round starts
+    one further along, so no case always runs first (or right after the same one)."""
+    k = round_ % len(items)
+    return items[k:] + items[:k]
 
 
 def machine() -> str:

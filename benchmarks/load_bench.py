@@ -25,7 +25,7 @@ from zarr.storage import LocalStore, WrapperStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
-from benchmarks.common import clock, machine, table  # noqa: E402
+from benchmarks.common import clock, machine, rotated, table  # noqa: E402
 from benchmarks.throughput import make_state, nbytes  # noqa: E402
 
 
@@ -80,7 +80,7 @@ def main() -> None:
         for fn in runs.values():  # warm-up: files in the page cache, kernels compiled
             fn()
         for i in range(args.repeats):
-            for name in names[i % len(names):] + names[:i % len(names)]:
+            for name in rotated(names, i):
                 times[name].append(clock(runs[name])[0])
         cases: dict[str, tuple[list[float], int, float]] = {
             "torch.load, whole latest state": (times["torch.load, whole latest state"],

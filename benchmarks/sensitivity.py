@@ -54,6 +54,8 @@ def fisher_rule(c: float) -> Rule:
 
 
 def entropy_bits(q: torch.Tensor) -> float:
+    """Total order-0 entropy of ``q`` in bits. (Not :func:`amber_store.codecs.ans.entropy_bits`,
+    which counts int8 codes: these are not capped at +-127 as the codec's are.)"""
     _, counts = torch.unique(q, return_counts=True)
     p = counts.double() / counts.sum()
     return float(-(p * torch.log2(p)).sum()) * q.numel()

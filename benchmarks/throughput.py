@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
 from backends.s3servers import SeaweedFS  # noqa: E402
-from benchmarks.common import machine, median_rate, rate, table  # noqa: E402
+from benchmarks.common import machine, median_rate, rate, rotated, table  # noqa: E402
 
 REGION = "us-east-1"
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (DCP in one process)
@@ -286,7 +286,7 @@ def main() -> None:
                               AWS_REGION=REGION)
             clock = Clock(s3.pid)
             for r in range(args.repeats):
-                for name in names[r % len(names):] + names[: r % len(names)]:
+                for name in rotated(names, r):
                     spec = make_spec(METHODS[name].where, s3, tmp)
                     runs[name].append(run_method(name, spec, clock, state, updated))
                     if name in cold:
