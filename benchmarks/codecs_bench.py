@@ -109,10 +109,13 @@ def main() -> None:
         "block step 0.01": lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.01)),
         "ratio step 0.01 (positive values)": lambda: encode(amber.RatioDeltaCodec(0, "b", step=0.01),
                                                             positive_value, positive_bits),
-        # the preset's steps for weights and exp_avg_sq: a 1% change is a few codes per block;
+        # the preset's steps for weights and exp_avg_sq: a 1% change is a few codes per block
+        # (stochastic rounding: a hash per element picks which);
         # with drift, a pass more per chunk measures how far it moved (1%: just at
         # benchmarks/regimes.py's 0.01)
-        "block step 0.15 (the preset's weights)": lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.15)),
+        "block step 0.6, rounded stochastically (the preset's weights)":
+            lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.6, stochastic=True)),
+        "block step 0.15 (the preset before's weights)": lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.15)),
         "block step 0.1, drift 0.01 (regimes.py's drift-scaled weights)":
             lambda: encode(amber.BlockDeltaCodec(0, "b", step=0.1, drift=0.01)),
         "ratio step 1.0 (the preset's exp_avg_sq)":

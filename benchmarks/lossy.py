@@ -24,23 +24,26 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
-from amber_store.demo import GPTConfig, Trainer, corpus  # noqa: E402
+from amber_store.demo import GPTConfig, TinyGPT, Trainer, corpus  # noqa: E402
 from amber_store.export import flat_tensors  # noqa: E402
 from benchmarks.common import eval_loss, machine, table, training_run_args  # noqa: E402
 
 
-def rules(weights: float, exp_avg: float, exp_avg_sq: float, drift: float | None = None) -> list:
+def rules(weights: float, exp_avg: float, exp_avg_sq: float, drift: float | None = None,
+          stochastic: bool = False) -> list:
     """A policy of the ``"lossy"`` preset's form at other steps: Adam's ``exp_avg_sq`` by ratio,
-    ``exp_avg`` and everything else by blocks (those with ``drift``, if given)."""
+    ``exp_avg`` and everything else by blocks (those with ``drift`` and ``stochastic`` rounding,
+    if given)."""
     return [("*exp_avg_sq", amber.RatioDeltaCodec(step=exp_avg_sq)), ("*exp_avg", amber.BlockDeltaCodec(step=exp_avg)),
-            ("*", amber.BlockDeltaCodec(step=weights, drift=drift))]
+            ("*", amber.BlockDeltaCodec(step=weights, drift=drift, stochastic=stochastic))]
 
 
 def policies() -> dict[str, Any]:
@@ -48,9 +51,9 @@ def policies() -> dict[str, Any]:
     return {
         "lossy (preset)": "lossy",
         "lossy, finer": rules(0.05, 3.0, 0.1),
-        "lossy, coarser": rules(0.3, 64.0, 1.0),
-        "lossy, exp_avg kept (step 1)": rules(0.15, 1.0, 1.0),
-        "the preset before (weights 0.1, exp_avg_sq 0.2)": rules(0.1, 64.0, 0.2),
+        "lossy, coarser": rules(1.2, 64.0, 1.0, stochastic=True),
+        "lossy, exp_avg kept (step 1)": rules(0.6, 1.0, 1.0, stochastic=True),
+        "the preset before (weights 0.15, rounded to nearest)": rules(0.15, 64.0, 1.0),
         "quant4": "quant4",
         "quant8": "quant8",
         "sparse 2%": "sparse",
@@ -82,20 +85,49 @@ def relative_errors(restored: dict, exact: dict) -> dict[str, float]:
     return {k: (num[k] / den[k]) ** 0.5 if den[k] else 0.0 for k in num}
 
 
+class HeldOut:
+    """The lossy benchmarks' resume protocol, one for all of them: models train on the first 95%
+    of the corpus and are judged by their held-out loss on 16 batches of the last 5% (the batches
+    at steps 10,000-10,015); a resume loads a state into a trainer whose own initialization
+    (seed 1234) it overwrites, trains on data stream ``seed`` (0: the training run's own) and
+    reports the mean of its evaluations every ``every`` steps over the last 100."""
+
+    def __init__(self, cfg: GPTConfig, *, batch: int = 16, model: Callable[[GPTConfig | None], nn.Module] = TinyGPT,
+                 every: int = 25) -> None:
+        self.cfg, self.batch, self.model, self.every = cfg, batch, model, every
+        text = corpus(4_000_000)
+        split = int(len(text) * 0.95)
+        self.train = text[:split]
+        evaluator = Trainer(cfg, batch=batch, data=text[split:], model=model)
+        self.batches = [evaluator.batch_at(10_000 + i) for i in range(16)]
+
+    def trainer(self, **kwargs: Any) -> Trainer:
+        """A trainer of this model on the training text (``kwargs``: Trainer's)."""
+        return Trainer(self.cfg, batch=self.batch, data=self.train, model=self.model, **kwargs)
+
+    def resume(self, state: dict, last: int, more: int, seed: int = 0, **kwargs: Any) -> float:
+        """Held-out loss after resuming from (a copy of) ``state``, saved at step ``last``, and
+        training ``more`` steps (``kwargs``: the trainer's, such as its learning rate)."""
+        t = self.trainer(seed=seed, init_seed=1234, **kwargs)
+        t.load(torch.load(_serialized(state), weights_only=False))
+        losses = []
+        for step in range(last + 1, last + more + 1):
+            t.step(step)
+            if (last + more - step) % self.every == 0 and last + more - step <= 100:
+                losses.append(eval_loss(t.model, self.batches))
+        return statistics.mean(losses)
+
+
 class Run:
     """The training run the lossy benchmarks checkpoint and resume: TinyGPT with AdamW on
-    Python's standard-library sources, held-out loss on 16 batches of the last 5%."""
+    Python's standard-library sources (:class:`HeldOut`'s protocol, evaluated every 20 steps)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         self.args = args
         self.cfg = GPTConfig(context=args.context, width=args.width, layers=args.layers, heads=4)
-        text = corpus(4_000_000)
-        split = int(len(text) * 0.95)
-        self.train_text = text[:split]
-        self.trainer = Trainer(self.cfg, batch=args.batch, data=self.train_text)
-        evaluator = Trainer(self.cfg, batch=args.batch, data=text[split:])
-        self.eval_batches = [evaluator.batch_at(10_000 + i) for i in range(16)]
+        self.held_out = HeldOut(self.cfg, batch=args.batch, every=20)
+        self.trainer = self.held_out.trainer()
 
     def checkpoints(self, step: int, every: int) -> bool:
         """Whether a store checkpointing ``every`` steps saves ``step`` (the 1-step interval:
@@ -107,21 +139,7 @@ class Run:
         training ``--resume-steps`` more on data stream ``seed`` (0: the run's own), averaged
         over the last 100 steps (6 evaluations): one loss spike at the very end would otherwise
         decide the figure."""
-        t = Trainer(self.cfg, seed=seed, batch=self.args.batch, data=self.train_text, init_seed=1234)
-        return resumed_loss(t, state, self.args.steps, self.args.resume_steps, self.eval_batches, every=20)
-
-
-def resumed_loss(t: Trainer, state: dict, last: int, more: int, batches: list, every: int) -> float:
-    """Held-out loss (on ``batches``) of trainer ``t`` loaded with (a copy of) ``state``, saved at
-    step ``last``, after ``more`` steps: the mean of its evaluations every ``every`` steps over
-    the last 100."""
-    t.load(torch.load(_serialized(state), weights_only=False))
-    losses = []
-    for step in range(last + 1, last + more + 1):
-        t.step(step)
-        if (last + more - step) % every == 0 and last + more - step <= 100:
-            losses.append(eval_loss(t.model, batches))
-    return statistics.mean(losses)
+        return self.held_out.resume(state, self.args.steps, self.args.resume_steps, seed)
 
 
 def perturbed(state: dict, seed: int) -> dict:

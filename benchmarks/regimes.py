@@ -37,10 +37,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
-from amber_store.demo import GPTConfig, TinyGPT, Trainer, corpus  # noqa: E402
+from amber_store.demo import GPTConfig, TinyGPT  # noqa: E402
 from amber_store.history import AUTO, PARENTS  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
-from benchmarks.lossy import _serialized, kind_of, perturbed, resumed_loss, rules  # noqa: E402
+from benchmarks.lossy import HeldOut, _serialized, kind_of, perturbed, rules  # noqa: E402
 
 #: name -> codec policy (the lossless store is the reference); rules(weights, exp_avg, exp_avg_sq, drift)
 POLICIES: dict[str, Any] = {
@@ -48,12 +48,13 @@ POLICIES: dict[str, Any] = {
     # steps picked on these six trajectories: exp_avg_sq coarser (its error hardly moved the
     # resumed loss), weights coarser where a chunk drifted beyond 1% of its RMS since its base
     "drift-scaled": rules(0.1, 64.0, 1.0, drift=0.01),
-    # for the best ratio within 0.1%: weights 6x finer than the preset's, drift-scaled
+    # for the best ratio within 0.1%: weights at 0.025 of their blocks' RMS, drift-scaled, rounded to nearest
     "lossy, finer": rules(0.025, 1.0, 0.2, drift=0.01),
 }
-#: Variants (run them with --policies): the presets before (weights 0.1, exp_avg_sq 0.2; before
-#: that with exp_avg coded at step 6), drift-scaled with exp_avg coded at step 12 and its two
-#: changes apart, and the finer policy with exp_avg at its base (RESULTS.md)
+#: Variants (run them with --policies): the presets before (weights 0.15 rounded to nearest;
+#: before that 0.1 and exp_avg_sq 0.2; before that exp_avg coded at step 6), drift-scaled with
+#: exp_avg coded at step 12 and its two changes apart, the finer policy with exp_avg at its base,
+#: and the weights rounded stochastically at a finer and a coarser step than the preset's (RESULTS.md)
 VARIANTS: dict[str, Any] = {
     "preset, exp_avg step 6": rules(0.1, 6.0, 0.2),
     "drift-scaled, exp_avg step 12": rules(0.1, 12.0, 1.0, drift=0.01),
@@ -61,6 +62,9 @@ VARIANTS: dict[str, Any] = {
     "coarser moments only": rules(0.1, 12.0, 1.0),
     "finer, exp_avg at its base": rules(0.025, 64.0, 0.2, drift=0.01),
     "the preset before (weights 0.1, exp_avg_sq 0.2)": rules(0.1, 64.0, 0.2),
+    "the preset before (weights 0.15, rounded to nearest)": rules(0.15, 64.0, 1.0),
+    "weights rounded stochastically, step 0.3": rules(0.3, 64.0, 1.0, stochastic=True),
+    "weights rounded stochastically, step 1.2": rules(1.2, 64.0, 1.0, stochastic=True),
 }
 
 
@@ -135,14 +139,9 @@ def drift(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> float:
     return (num / den) ** 0.5
 
 
-def run_trajectory(traj: Trajectory, args: argparse.Namespace, text: torch.Tensor, root: Path) -> dict[str, Any]:
-    split = int(len(text) * 0.95)
-    train, held_out = text[:split], text[split:]
-    cfg = GPTConfig(width=args.width, layers=args.layers, context=64, heads=4)
-    model = MODELS[traj.model]
-    trainer = Trainer(cfg, batch=16, data=train, lr=traj.warmup_lr, weight_decay=traj.weight_decay, model=model)
-    evaluator = Trainer(cfg, batch=16, data=held_out, model=model)
-    batches = [evaluator.batch_at(10_000 + i) for i in range(16)]
+def run_trajectory(traj: Trajectory, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    held_out = HeldOut(GPTConfig(width=args.width, layers=args.layers, context=64, heads=4), model=MODELS[traj.model])
+    trainer = held_out.trainer(lr=traj.warmup_lr, weight_decay=traj.weight_decay)
     for step in range(1, traj.start + 1):
         trainer.step(step)
     trainer.set_lr(traj.lr)
@@ -182,9 +181,7 @@ def run_trajectory(traj: Trajectory, args: argparse.Namespace, text: torch.Tenso
     def resume(state: dict, at: int = end, seed: int = 0) -> float:
         """Held-out loss after ``--resume-steps`` more steps from ``state``, saved at step ``at``
         (mean of the last evaluations, every 25 steps over the last 100)."""
-        t = Trainer(cfg, seed=seed, batch=16, data=train, lr=traj.lr, weight_decay=traj.weight_decay, model=model,
-                    init_seed=1234)
-        return resumed_loss(t, state, at, args.resume_steps, batches, every=25)
+        return held_out.resume(state, at, args.resume_steps, seed, lr=traj.lr, weight_decay=traj.weight_decay)
 
     span, deep, deep_exact = deepest
     reference, deep_reference = resume(exact), resume(deep_exact, deep)
@@ -301,11 +298,10 @@ def main() -> None:
     if args.merge:
         data = merged(args.merge)
     else:
-        text = corpus(4_000_000)
         root = Path(tempfile.mkdtemp(prefix="amber-regimes-"))
         started = time.perf_counter()
         try:
-            results = [run_trajectory(t, args, text, root)
+            results = [run_trajectory(t, args, root)
                        for m in args.models for t in trajectories(m, args.scale, args.lr_scale)]
         finally:
             shutil.rmtree(root, ignore_errors=True)

@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from amber_store.demo import GPTConfig, Trainer, corpus  # noqa: E402
+from amber_store.demo import GPTConfig  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
-from benchmarks.lossy import resumed_loss  # noqa: E402
+from benchmarks.lossy import HeldOut  # noqa: E402
 from benchmarks.regimes import MODELS  # noqa: E402
 
 BLOCK = 256
@@ -71,15 +71,13 @@ def main() -> None:
     p.add_argument("--span", type=int, default=40, help="steps the delta spans")
     p.add_argument("--resume-steps", type=int, default=150)
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="data streams of the resumes")
+    p.add_argument("--compare", choices=["fisher", "stochastic"], default="fisher",
+                   help="what the value rule's rounding to nearest is set against: steps from Adam's second moment, "
+                        "or the value rule's steps rounded stochastically (unbiased: no update lost on average)")
     p.add_argument("--bits-only", action="store_true", help="no resumes: bits with and without a predicted update")
     args = p.parse_args()
-    text = corpus(4_000_000)
-    split = int(len(text) * 0.95)
-    train, held_out = text[:split], text[split:]
-    cfg = GPTConfig(width=args.width, layers=args.layers, context=64, heads=4)
-    model = MODELS[args.model]
-    trainer = Trainer(cfg, batch=16, data=train, lr=args.lr, weight_decay=0.1, model=model)
-    batches = [Trainer(cfg, batch=16, data=held_out, model=model).batch_at(10_000 + i) for i in range(16)]
+    held_out = HeldOut(GPTConfig(width=args.width, layers=args.layers, context=64, heads=4), model=MODELS[args.model])
+    trainer = held_out.trainer(lr=args.lr, weight_decay=0.1)
     states = {}
     for step in range(1, args.end + 1):
         trainer.step(step)
@@ -117,13 +115,16 @@ def main() -> None:
                      "fewer bits"], rows))
         return
 
-    def apply(rule: Rule) -> tuple[dict, float, float, float]:
-        """The new state with its weights quantized by ``rule``; bits per weight, Fisher-weighted
-        and plain squared error."""
+    def apply(rule: Rule, stochastic: bool = False) -> tuple[dict, float, float, float]:
+        """The new state with its weights quantized by ``rule`` (rounded to nearest, or
+        ``stochastic``: up with the probability of the remainder, so unbiased); bits per weight,
+        Fisher-weighted and plain squared error."""
         state, bits, fisher, plain = copy.deepcopy(new), 0.0, 0.0, 0.0
+        g = torch.Generator().manual_seed(0)
         for name, (w0, w1, v, _) in blocks.items():
             step = rule(w1, v)
-            q = torch.round((w1 - w0) / step)
+            x = (w1 - w0) / step
+            q = torch.floor(x + torch.rand(x.shape, generator=g, dtype=x.dtype)) if stochastic else torch.round(x)
             restored = w0 + q * step
             err = (restored - w1).square()
             bits, fisher, plain = bits + entropy_bits(q), fisher + float((v * err).sum()), plain + float(err.sum())
@@ -138,17 +139,20 @@ def main() -> None:
         return fisher_rule(lo)
 
     def resume(state: dict, seed: int) -> float:
-        t = Trainer(cfg, seed=seed, batch=16, data=train, lr=args.lr, weight_decay=0.1, model=model, init_seed=1234)
-        return resumed_loss(t, state, args.end, args.resume_steps, batches, every=25)
+        return held_out.resume(state, args.end, args.resume_steps, seed, lr=args.lr, weight_decay=0.1)
 
     _, _, preset_fisher, preset_plain = apply(value_rule(0.1))
-    rules = {"values, step 0.1 (the preset before)": value_rule(0.1), "values, step 0.15 (the preset)": value_rule(0.15),
-             "values, step 0.3": value_rule(0.3)}
-    rules |= {f"Fisher-weighted, {k}x step 0.1's Fisher error": fisher_at(k * preset_fisher) for k in (1, 4, 16)}
+    rules = {"values, step 0.1 (the preset before)": (value_rule(0.1), False),
+             "values, step 0.15 (the preset)": (value_rule(0.15), False), "values, step 0.3": (value_rule(0.3), False)}
+    if args.compare == "fisher":
+        rules |= {f"Fisher-weighted, {k}x step 0.1's Fisher error": (fisher_at(k * preset_fisher), False)
+                  for k in (1, 4, 16)}
+    else:
+        rules |= {f"values, step {s}, rounded stochastically": (value_rule(s), True) for s in (0.15, 0.3, 0.6, 1.2)}
     reference = {seed: resume(new, seed) for seed in args.seeds}
     rows = []
-    for name, rule in rules.items():
-        state, bits, fisher, plain = apply(rule)
+    for name, (rule, stochastic) in rules.items():
+        state, bits, fisher, plain = apply(rule, stochastic)
         changes = [(resume(state, seed) / reference[seed] - 1) * 100 for seed in args.seeds]
         rows.append([name, f"{bits:.3f}", f"{fisher / preset_fisher:.2f}x", f"{plain / preset_plain:.2f}x",
                      " ".join(f"{c:+.2f}%" for c in changes)])

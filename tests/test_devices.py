@@ -100,8 +100,11 @@ def test_lossy_deltas_taken_on_the_device_read_back_as_the_writer_reconstructed_
         got = on_host(reader.load(step, lazy=False, device=device), device)
         for key in ("step", "mask", "bias"):  # integers, bools, small tensors: exact
             assert_bit_equal(got[key], expected[key])
+        # (the lossy preset rounds weights stochastically at 0.6 of a block's RMS value: each
+        # error below sqrt(2) x 0.6 of it, which is at most the largest value)
+        tolerance = 2**0.5 * 0.6 if codec == "lossy" else 0.1
         for key in ("w", "w_bf16", "exp_avg_sq"):
             scale = expected[key].float().abs().max()
             error = (got[key].float() - expected[key].float()).abs().max()
-            assert error <= 0.1 * scale, (key, step, error, scale)
+            assert error <= tolerance * scale, (key, step, error, scale)
         assert_bit_equal(got["w"][:64], expected["w"][:64])  # never moved: its base bits

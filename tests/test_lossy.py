@@ -430,8 +430,9 @@ def test_a_lossy_delta_taken_piece_by_piece_is_the_delta_taken_whole(monkeypatch
 @pytest.mark.parametrize("codec", [amber.SparseDeltaCodec(threshold=0.05), amber.QuantizedDeltaCodec(bits=8),
                                    amber.QuantizedDeltaCodec(bits=4), amber.BlockDeltaCodec(step=0.05, block=64),
                                    amber.BlockDeltaCodec(step=0.01, block=48),
-                                   amber.BlockDeltaCodec(step=0.05, block=64, drift=0.01), amber.RatioDeltaCodec(step=0.02)],
-                         ids=["sparse", "quant8", "quant4", "block", "block-fine", "block-drift", "ratio"])
+                                   amber.BlockDeltaCodec(step=0.05, block=64, drift=0.01),
+                                   amber.BlockDeltaCodec(step=0.05, block=64, stochastic=True), amber.RatioDeltaCodec(step=0.02)],
+                         ids=["sparse", "quant8", "quant4", "block", "block-fine", "block-drift", "block-stochastic", "ratio"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("chunks", [(8, 32), (12, 32)])  # chunks that tile the tensor; a ragged edge chunk
 def test_the_host_kernels_take_the_delta_the_torch_code_takes(monkeypatch, codec, dtype, chunks, device):
@@ -555,10 +556,56 @@ def test_a_block_delta_with_drift_codes_a_chunk_coarser_by_the_root_of_how_far_i
     assert stored <= plain_stored
 
 
-def test_drift_is_the_writers_choice_and_stays_out_of_the_arrays_metadata():
-    codec = amber.BlockDeltaCodec(step=0.1, drift=0.01)
+def test_a_block_delta_rounded_stochastically_loses_no_update_on_average_where_rounding_to_nearest_loses_all(
+        tmp_path, diff_path):
+    # every element moves by 0.3 of its block's step (a power of two near 0.5 x the block's RMS,
+    # the value's magnitude here): rounded to nearest, none moves; rounded stochastically, about
+    # 30% move one whole step, so the mean update comes back, and each error stays under a step
+    w = torch.full((64, 64), 1.0) * torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0)
+    step = 0.5  # (a block's RMS is 1: its step is 2^-1)
+    new = w + 0.3 * step
+    restored = {}
+    for stochastic in (False, True):
+        store = amber.open(tmp_path / str(stochastic), mode="w", chunk_bytes=32 * 64 * 4,
+                           codec=amber.BlockDeltaCodec(step=step, block=64, stochastic=stochastic))
+        store.save(1, {"w": w})
+        store.save(2, {"w": new})
+        restored[stochastic] = store.load(2)["w"].materialize()
+    assert_bit_equal(restored[False], w)
+    moved = restored[True] - w
+    assert set(moved.unique().tolist()) == {0.0, step}
+    assert abs(float(moved.mean()) - 0.3 * step) < 0.03 * step  # (4096 draws: the standard error is 0.007 step)
+    assert float((restored[True] - new).abs().max()) < step
+
+
+def test_stochastic_rounding_is_the_same_bytes_on_every_save_of_a_state_and_within_a_step_along_a_chain(
+        tmp_path, diff_path):
+    # The draws are hashed from each value, its base and its place: the same delta is the same
+    # bytes; along a chain each delta is taken against the restored state, so errors never
+    # pile up beyond one step of their block
+    g = torch.Generator().manual_seed(11)
+    states = [torch.randn(128, 64, generator=g)]
+    for _ in range(12):
+        states.append(states[-1] + 0.01 * torch.randn(128, 64, generator=g))
+    codec = amber.BlockDeltaCodec(step=0.2, block=64, stochastic=True)
+    stores = [amber.open(tmp_path / name, mode="w", codec=codec, chunk_bytes=32 * 64 * 4, full_every=100)
+              for name in "ab"]
+    for i, w in enumerate(states):
+        for store in stores:
+            store.save(i, {"w": w})
+        got = stores[0].load(i)["w"].materialize()
+        bound = 2 ** torch.round(torch.log2(0.2 * per_block(w, 32, 64, lambda x: x.square().mean().sqrt()).reshape(-1)))
+        assert bool(((got - w).abs().reshape(-1) < bound).all())
+    for i in range(len(states)):
+        a, b = (s.manifest(i).tensors["w"] for s in stores)
+        assert a.crc32c == b.crc32c and a.stored == b.stored
+        assert_bit_equal(stores[0].load(i)["w"].materialize(), stores[1].load(i)["w"].materialize())
+
+
+def test_drift_and_rounding_are_the_writers_choice_and_stay_out_of_the_arrays_metadata():
+    codec = amber.BlockDeltaCodec(step=0.1, drift=0.01, stochastic=True)
     config = codec.to_dict()["configuration"]
-    assert "drift" not in config and config["step"] == 0.1
+    assert "drift" not in config and "stochastic" not in config and config["step"] == 0.1
     assert amber.BlockDeltaCodec.from_dict(codec.to_dict()) == amber.BlockDeltaCodec(step=0.1)
     for bad in (0, -0.1, 1.5):
         with pytest.raises(ValueError, match="drift"):

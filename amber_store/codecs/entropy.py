@@ -190,6 +190,30 @@ def _divided(x: torch.Tensor, divisor: float) -> torch.Tensor:
     return x.div_(divisor if x.device.type == "cpu" else torch.tensor(divisor, dtype=x.dtype, device=x.device))
 
 
+_GOLDEN, _MIX1, _MIX2, _LOW32 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 0xFFFFFFFF
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer, in int64 (products wrap; their low 32 bits are kept)."""
+    h = h ^ (h >> 16)
+    h = (h * _MIX1) & _LOW32
+    h = h ^ (h >> 13)
+    h = (h * _MIX2) & _LOW32
+    return h ^ (h >> 16)
+
+
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    bits = x.view(torch.int32 if x.dtype == torch.float32 else torch.int64).to(torch.int64)
+    return (bits ^ (bits >> 32)) & _LOW32
+
+
+def dither(values: torch.Tensor, base: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in [0, 1) (24 bits) hashed from each value, its base and its place
+    ``at`` in its chunk: the kernels' ``_dither``, to the bit, on any device."""
+    h = _fmix(_fold(values) ^ ((at * _GOLDEN) & _LOW32))
+    return (_fmix(h ^ _fold(base)) >> 8).to(values.dtype).mul_(2.0 ** -24)
+
+
 def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``2 ** e`` built from its exponent bits: exact on every device."""
     if dtype == torch.float64:
@@ -217,18 +241,28 @@ class BlockDeltaCodec(CodedDelta):
     small tensors diffed together in one batch share the batch's) above ``drift`` is coded at
     ``step * sqrt(d / drift)``. Measured (benchmarks/regimes.py, RESULTS.md): weights at step 0.1
     and ``drift=0.01``, with the ``"lossy"`` preset's ``exp_avg_sq``, stored delta steps early in
-    training 68-111x smaller than torch.save (the preset, weights at a fixed 0.15: 50.5-94.4x) at
-    +0.3% to +0.7% of resumed loss, but resumed benchmarks/lossy.py's 3.2M-parameter run +1.1%
-    (mean of six data streams, median +0.8%; the preset +0.8%, median +1.0%, at a higher ratio),
-    so the preset does not use it. The choice is the writer's alone: readers take each block's
+    training 68-111x smaller than torch.save (weights at a fixed 0.15: 50.5-94.4x) at +0.3% to
+    +0.7% of resumed loss, but resumed benchmarks/lossy.py's 3.2M-parameter run +1.1% (mean of
+    six data streams, median +0.8%). The choice is the writer's alone: readers take each block's
     exponent from its side codes.
 
-    Error bound, at every step of a chain: ``|restored - value| <= 2^e / 2`` per element of a
-    block, with ``2^e <= sqrt(2) * step * g * rms(block's values)`` (``g``: the chunk's
-    ``sqrt(d / drift)``, or 1), unless a larger power of two
-    is needed to keep ``|q| <= 127`` (the smallest that does: a change of more than ``127 /
-    sqrt(2) / step`` RMS values, e.g. a block whose values collapse), plus the rounding of the
-    result to the tensor's dtype; non-finite values are exact. Signs are not preserved: a
+    ``stochastic`` rounds each code down or up, up with the probability of the change's fraction
+    of a step, instead of to the nearest: an element that moved a fifth of a step moves a whole
+    step one time in five, so the restored state lacks no update on average, where rounding to
+    nearest keeps every element that moved less than half a step at its base. Those lost updates
+    are what a resume pays for, more than the error's size: on one 40-step delta of an MLP-mixer,
+    step 0.6 rounded stochastically took 0.59 bits a weight and resumed within 0.01%, step 0.3
+    rounded to nearest 0.51 bits and +0.4-0.5% (benchmarks/sensitivity.py; the ``"lossy"``
+    preset's weights are at step 0.6, stochastic). The draws are hashed from each value, its
+    base and its place in the chunk (the same delta is the same bytes, on every device). Also
+    the writer's alone.
+
+    Error bound, at every step of a chain: ``|restored - value| <= 2^e / 2`` (stochastic:
+    ``< 2^e``) per element of a block, with ``2^e <= sqrt(2) * step * g * rms(block's values)``
+    (``g``: the chunk's ``sqrt(d / drift)``, or 1), unless a larger power of two is needed to
+    keep ``|q| <= 127`` (the smallest that does: a change of more than ``127 / sqrt(2) / step``
+    RMS values, e.g. a block whose values collapse), plus the rounding of the result to the
+    tensor's dtype; non-finite values are exact. Signs are not preserved: a
     second moment near zero may come back negative, so use :class:`RatioDeltaCodec` for those
     (the ``"lossy"`` preset does).
     """
@@ -238,6 +272,7 @@ class BlockDeltaCodec(CodedDelta):
     step: float = 0.1
     block: int = 256
     drift: float | None = None
+    stochastic: bool = False
 
     def __post_init__(self) -> None:
         if not 0.001 < self.step <= 64:
@@ -264,10 +299,10 @@ class BlockDeltaCodec(CodedDelta):
         return {"block": self.block, "sparse_codes": self.sparse_codes}
 
     def to_dict(self) -> dict[str, Any]:
-        # (drift is the writer's choice, which readers never need: left out of the array's
-        # metadata, which stays what earlier versions of amber-store read)
+        # (drift and the rounding are the writer's choice, which readers never need: left out
+        # of the array's metadata, which stays what earlier versions of amber-store read)
         d = super().to_dict()
-        del d["configuration"]["drift"]
+        del d["configuration"]["drift"], d["configuration"]["stochastic"]
         return d
 
     def _quantize(self, v: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]], padded: int,
@@ -307,9 +342,16 @@ class BlockDeltaCodec(CodedDelta):
         # leaves +-127 only where e hit its cap (float64 changes beyond 1e40): both decided per
         # block (the scaled peak is exactly the largest scaled change), without a full pass.
         scaled = peak.mul_(inverse)
-        if exact is None and not bool(scaled.gt(0.5).any()):
+        if exact is None and not bool(scaled.gt(0 if self.stochastic else 0.5).any()):
             return None
-        q = changes.mul_(inverse.unsqueeze(-1)).round_()
+        q = changes.mul_(inverse.unsqueeze(-1))
+        if self.stochastic:
+            at = torch.arange(width, device=v.device).view(1, -1, self.block)
+            q.add_(dither(values, blocked(b)[0], at)).floor_()
+            if exact is None and not bool(q.ne(0).any()):
+                return None
+        else:
+            q.round_()
         if bool(scaled.ge(127.5).any()):
             q.clamp_(-127, 127)
         if whole:
@@ -333,7 +375,7 @@ class BlockDeltaCodec(CodedDelta):
         side = np.empty((len(runs), width // self.block), dtype=np.int8)
         starts, ends = np.asarray(runs, dtype=np.int64).T
         moved, escapes = kernels.block(v.numpy(), b.numpy(), starts, ends, width, self.block, self.step,
-                                       self.drift or 0.0, codes.numpy(), restored.numpy(), side)
+                                       self.drift or 0.0, self.stochastic, codes.numpy(), restored.numpy(), side)
         if not moved:
             return None
         return torch.from_numpy(side), (codes == ESCAPE) if escapes else None

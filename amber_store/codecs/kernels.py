@@ -197,12 +197,61 @@ def _scaled(v, b, inverse, scale, codes, recon):  # pragma: no cover (compiled)
         recon[i] = b[i] + q * scale
 
 
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B1), np.uint64(0x85EBCA6B), np.uint64(0xC2B2AE35)
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
 @njit(**_OPTIONS)
-def _scaled_with_escapes(v, b, inverse, scale, codes, recon):  # pragma: no cover (compiled)
+def _fmix(h):  # pragma: no cover (compiled)
+    """murmur3's 32-bit finalizer, on a uint64 holding 32 bits."""
+    h ^= h >> np.uint64(16)
+    h = (h * _MIX1) & _LOW32
+    h ^= h >> np.uint64(13)
+    h = (h * _MIX2) & _LOW32
+    return h ^ (h >> np.uint64(16))
+
+
+@njit(**_OPTIONS)
+def _fold(x):  # pragma: no cover (compiled)
+    """A float's raw bits folded to 32 (sign-extended to 64 first, as torch's ``to(int64)``)."""
+    bits = np.int64(_bits(x))
+    return np.uint64(bits ^ (bits >> 32)) & _LOW32
+
+
+@njit(**_OPTIONS)
+def _dither(x, y, at):  # pragma: no cover (compiled)
+    """A uniform 24-bit integer (2^-24 of it: a number in [0, 1)) from a value, its base and
+    its place in the chunk: a hash, so the same delta codes the same bytes on every run and
+    device (the torch code's :func:`~amber_store.codecs.entropy.dither`), drawn anew whenever
+    the value moves."""
+    h = _fmix(_fold(x) ^ ((np.uint64(at) * _GOLDEN) & _LOW32))
+    return _fmix(h ^ _fold(y)) >> np.uint64(8)
+
+
+@njit(**_OPTIONS)
+def _dithered(v, b, inverse, scale, at, codes, recon):  # pragma: no cover (compiled)
+    """:func:`_scaled`, each code rounded down or up, up with the probability of the change's
+    fraction of a step (:func:`_dither`; ``at``: the block's place in its chunk), so that no
+    update is lost on average. Returns whether a code is nonzero."""
+    top, zero, unit = v.dtype.type(127), v.dtype.type(0), v.dtype.type(2.0 ** -24)
+    largest = 0
+    for i in range(v.size):
+        x = np.floor((v[i] - b[i]) * inverse + v.dtype.type(_dither(v[i], b[i], at + i)) * unit)
+        q = min(max(x, -top), top) + zero  # (+ 0: code 0 is +0.0 to readers)
+        codes[i] = np.int8(q)
+        largest = max(largest, abs(np.int32(q)))
+        recon[i] = b[i] + q * scale
+    return largest > 0
+
+
+@njit(**_OPTIONS)
+def _scaled_with_escapes(v, b, inverse, scale, codes, recon, at):  # pragma: no cover (compiled)
     """:func:`_scaled` of a block with a change that is not finite: escaped (-128, ``recon``
     ``v``) where the values differ, a change of 0 where they are equal (an infinity that stays
-    put). Returns (whether any code is nonzero, escapes)."""
-    top = v.dtype.type(127)
+    put); ``at`` >= 0 (the block's first element's place in its chunk): each code rounded
+    down or up, up with the probability of the change's fraction of a step (:func:`_dither`),
+    so that no update is lost on average. Returns (whether any code is nonzero, escapes)."""
+    top, unit = v.dtype.type(127), v.dtype.type(2.0 ** -24)
     nonzero, escapes = False, 0
     for i in range(v.size):
         d = v[i] - b[i]
@@ -214,7 +263,9 @@ def _scaled_with_escapes(v, b, inverse, scale, codes, recon):  # pragma: no cove
                 nonzero = True
                 continue
             d = v.dtype.type(0)
-        code = np.int8(min(max(np.rint(d * inverse), -top), top))
+        x = d * inverse
+        x = np.floor(x + v.dtype.type(_dither(v[i], b[i], at + i)) * unit) if at >= 0 else np.rint(x)
+        code = np.int8(min(max(x, -top), top))
         codes[i] = code
         nonzero |= code != 0
         recon[i] = b[i] + v.dtype.type(code) * scale
@@ -253,13 +304,13 @@ def _coarsened(changes, squares, drift):  # pragma: no cover (compiled)
 
 
 @njit(**_OPTIONS)
-def block(v, b, starts, ends, width, size, step, drift, codes, recon, side):  # pragma: no cover (compiled)
+def block(v, b, starts, ends, width, size, step, drift, stochastic, codes, recon, side):  # pragma: no cover (compiled)
     """:class:`~amber_store.codecs.BlockDeltaCodec` of each chunk, blocks of ``size``
     elements counted from its start (``width``: a chunk's padded length, a multiple of
     ``size``; blocks past a chunk's end are padding): each block's exponent into ``side``
     (chunk, block), the codes, and the reconstruction ``b + q * 2^e``. ``drift`` > 0 coarsens
-    a chunk's step by :func:`_drift_factor`. A chunk whose codes are all 0 keeps ``b``.
-    Returns (whether a code is nonzero, escapes)."""
+    a chunk's step by :func:`_drift_factor`; ``stochastic`` rounds by :func:`_dithered`. A
+    chunk whose codes are all 0 keeps ``b``. Returns (whether a code is nonzero, escapes)."""
     root = v.dtype.type(math.sqrt(size))
     moved, escapes = False, 0
     for c in range(starts.size):
@@ -280,11 +331,14 @@ def block(v, b, starts, ends, width, size, step, drift, codes, recon, side):  # 
             e = min(max(_round_log2(rms * chunk_step), _ceil_log2(peak / v.dtype.type(127)), -126), 126)
             side[c, j] = e
             scale, inverse = v.dtype.type(2.0 ** e), v.dtype.type(2.0 ** -e)  # (exact: normal powers of two)
-            if finite:
+            if finite and stochastic:
+                nonzero |= _dithered(vs, bs, inverse, scale, a - lo, codes[a:z], recon[a:z])
+            elif finite:
                 _scaled(vs, bs, inverse, scale, codes[a:z], recon[a:z])
                 nonzero |= peak * inverse > 0.5  # (its largest change codes to 0 or not, and so do all)
             else:
-                some, escaped = _scaled_with_escapes(vs, bs, inverse, scale, codes[a:z], recon[a:z])
+                some, escaped = _scaled_with_escapes(vs, bs, inverse, scale, codes[a:z], recon[a:z],
+                                                     a - lo if stochastic else -1)
                 nonzero |= some
                 escapes += escaped
         if not nonzero:
