@@ -1,5 +1,6 @@
 """Which weight errors a resume tolerates: block steps relative to the values (the lossy preset's
-rule) against steps from Adam's second moment (a diagonal-Fisher weighting), on one delta.
+rule) against steps from Adam's second moment (a diagonal-Fisher weighting), or rounded
+stochastically (``--compare stochastic``: the preset's rounding), on one delta.
 
 A regimes.py model is trained to ``--end``; the weights' change over the last ``--span`` steps
 is quantized per block of 256 by each rule, as one lossy delta would be (the optimizer state
@@ -15,6 +16,7 @@ the delta's base (exact here: a reader would have the base's restored moments), 
 same steps.
 
     python benchmarks/sensitivity.py --model mixer --end 200 --span 40
+    python benchmarks/sensitivity.py --compare stochastic --seeds 0 1
     python benchmarks/sensitivity.py --bits-only --span 10
 """
 
@@ -45,7 +47,7 @@ def pow2(x: torch.Tensor) -> torch.Tensor:
 
 
 def value_rule(step: float) -> Rule:
-    """The preset's: a power of two near ``step`` x the block's RMS value."""
+    """The ``"lossy"`` preset's: a power of two near ``step`` x the block's RMS value."""
     return lambda w, v: pow2(step * w.square().mean(1, keepdim=True).sqrt())
 
 
@@ -142,13 +144,15 @@ def main() -> None:
         return held_out.resume(state, args.end, args.resume_steps, seed, lr=args.lr, weight_decay=0.1)
 
     _, _, preset_fisher, preset_plain = apply(value_rule(0.1))
-    rules = {"values, step 0.1 (the preset before)": (value_rule(0.1), False),
-             "values, step 0.15 (the preset)": (value_rule(0.15), False), "values, step 0.3": (value_rule(0.3), False)}
+    rules = {"values, step 0.1": (value_rule(0.1), False),
+             "values, step 0.15 (the preset before)": (value_rule(0.15), False),
+             "values, step 0.3": (value_rule(0.3), False)}
     if args.compare == "fisher":
         rules |= {f"Fisher-weighted, {k}x step 0.1's Fisher error": (fisher_at(k * preset_fisher), False)
                   for k in (1, 4, 16)}
     else:
-        rules |= {f"values, step {s}, rounded stochastically": (value_rule(s), True) for s in (0.15, 0.3, 0.6, 1.2)}
+        rules |= {f"values, step {s}, rounded stochastically{' (the preset)' if s == 0.6 else ''}": (value_rule(s), True)
+                  for s in (0.15, 0.3, 0.6, 1.2)}
     reference = {seed: resume(new, seed) for seed in args.seeds}
     rows = []
     for name, (rule, stochastic) in rules.items():
