@@ -38,12 +38,13 @@ from benchmarks.common import eval_loss, machine, table, training_run_args  # no
 
 
 def rules(weights: float, exp_avg: float, exp_avg_sq: float, drift: float | None = None,
-          stochastic: bool = False) -> list:
+          stochastic: bool = False, min_numel: int = 256) -> list:
     """A policy of the ``"lossy"`` preset's form at other steps: Adam's ``exp_avg_sq`` by ratio,
     ``exp_avg`` and everything else by blocks (those with ``drift`` and ``stochastic`` rounding,
-    if given)."""
-    return [("*exp_avg_sq", amber.RatioDeltaCodec(step=exp_avg_sq)), ("*exp_avg", amber.BlockDeltaCodec(step=exp_avg)),
-            ("*", amber.BlockDeltaCodec(step=weights, drift=drift, stochastic=stochastic))]
+    if given); tensors under ``min_numel`` elements lossless."""
+    return [("*exp_avg_sq", amber.RatioDeltaCodec(step=exp_avg_sq, min_numel=min_numel)),
+            ("*exp_avg", amber.BlockDeltaCodec(step=exp_avg, min_numel=min_numel)),
+            ("*", amber.BlockDeltaCodec(step=weights, drift=drift, stochastic=stochastic, min_numel=min_numel))]
 
 
 def policies() -> dict[str, Any]:

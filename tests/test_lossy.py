@@ -460,6 +460,29 @@ def test_the_host_kernels_take_the_delta_the_torch_code_takes(monkeypatch, codec
     assert reference.changes is not None or (host.data != 0).sum() > 100
 
 
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("block", [64, 48])
+def test_the_block_kernel_codes_runs_of_many_blocks_as_the_torch_code_does(monkeypatch, stochastic, dtype, block, device):
+    # Chunks of 3,072 elements (48-64 blocks): the kernel codes runs of 16 blocks in one loop,
+    # block by block the run holding a non-finite change, and the ragged edge chunk (640
+    # elements) as a short run and padding
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(250, 64, generator=g, dtype=torch.float64)
+    value = base * (1 + 0.02 * torch.randn(base.shape, generator=g, dtype=torch.float64))
+    value[48:96] = base[48:96]  # a chunk that does not move
+    value[130, 7], value[131, 0] = float("nan"), float("inf")  # mid-run, in the third chunk
+    base, value = base.to(dtype), value.to(dtype)
+    base_bits = to_bits(base).clone()
+    codec = amber.BlockDeltaCodec(step=0.6 if stochastic else 0.05, block=block, stochastic=stochastic)
+    chunks = (48, 64)
+    host = codec.diff(value, base_bits, chunks)
+    monkeypatch.setattr(amber_codecs.device, "HOST_KERNELS", False)
+    reference = codec.diff(value.to(device), base_bits, chunks)
+    assert_same_delta(host, reference, tuple(base.shape), chunks)
+    assert (host.data == ESCAPE).sum() == 2 and (host.data != 0).sum() > 200
+
+
 @pytest.mark.parametrize("codec", [amber.SparseDeltaCodec(threshold=0.05), amber.QuantizedDeltaCodec(bits=8),
                                    amber.QuantizedDeltaCodec(bits=4), amber.BlockDeltaCodec(step=0.01, block=64),
                                    amber.RatioDeltaCodec(step=0.02)],
@@ -626,12 +649,13 @@ def test_the_lossy_preset_uses_ratio_for_second_moments_block_elsewhere_and_keep
     assert entries["model/0.weight"].encoding == "block" and entries["optim/state/0/exp_avg_sq"].encoding == "ratio"
     # exp_avg changed wholesale, by less than 32 RMS values of its blocks: kept at its base (step 1)
     assert entries["optim/state/0/exp_avg"].encoding == "same"
-    assert entries["model/1.weight"].encoding == "diff"  # 128 elements: below min_numel
+    assert entries["model/1.weight"].encoding == "block"  # 128 elements: the preset codes from 64
+    assert entries["model/2.bias"].encoding == "diff"  # 8 elements: below the preset's min_numel
     assert entries["optim/state/0/step"].encoding == "diff" and entries["seen"].encoding == "diff"
     got = store.load(3, lazy=False)
     assert_bit_equal(got["optim"]["state"][0]["exp_avg"], first_moment)
     assert_bit_equal(got["optim"]["state"][0]["step"], opt.state_dict()["state"][0]["step"])
-    assert_bit_equal(got["model"]["1.bias"], model.state_dict()["1.bias"])
+    assert_bit_equal(got["model"]["2.bias"], model.state_dict()["2.bias"])
 
 
 def test_the_lossy_preset_follows_a_first_moment_block_that_collapses_and_keeps_the_rest_at_the_base(make_store):

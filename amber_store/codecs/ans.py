@@ -120,8 +120,9 @@ def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[b
         if layouts_ok:
             count = np.count_nonzero(row)
             if count <= _SPARSE_AT_MOST * n:
-                at, kept = np.empty(count, np.int64), np.empty(count, np.int8)
+                at, kept = np.empty(count + 8, np.int64), np.empty(count + 8, np.int8)  # (see kernels.nonzeros)
                 kernels.nonzeros(row, at, kept)
+                at, kept = at[:count], kept[:count]
                 out.append(_sparse(at, kept) if count else None)
                 if find is not None:
                     found.append(at[kept == find])

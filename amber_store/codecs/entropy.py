@@ -209,7 +209,7 @@ def _fold(x: torch.Tensor) -> torch.Tensor:
 
 def dither(values: torch.Tensor, base: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """Uniform numbers in [0, 1) (24 bits) hashed from each value, its base and its place
-    ``at`` in its chunk: the kernels' ``_dither``, to the bit, on any device."""
+    ``at`` in its chunk: the kernels' ``_draw``, to the bit, on any device."""
     h = _fmix(_fold(values) ^ ((at * _GOLDEN) & _LOW32))
     return (_fmix(h ^ _fold(base)) >> 8).to(values.dtype).mul_(2.0 ** -24)
 
