@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import crc32c
 import io
 import json
 import math
@@ -35,6 +34,7 @@ import uuid
 from typing import Any
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import torch
 
