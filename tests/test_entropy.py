@@ -8,7 +8,7 @@ import pytest
 
 from numcodecs import zstd
 
-from amber_store.codecs.ans import (DENSE, NIBBLES, SPARSE, _gaps_decode, _gaps_encode, ans_decode, ans_encode,
+from amber_store.codecs.ans import (_SPARSE_AT_MOST, DENSE, NIBBLES, SPARSE, _gaps_decode, _gaps_encode, ans_decode, ans_encode,
                                  decode_codes, encode_codes, encode_codes_many, entropy_bits)
 
 
@@ -135,6 +135,18 @@ def test_a_run_of_chunks_encodes_each_chunk_as_it_would_alone():
         if block is not None:
             back, used = decode_codes(np.frombuffer(block, np.uint8), n)
             assert used == len(block) and np.array_equal(back, row)
+
+
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 37])  # (the codes past the last 64 are tested one by one)
+def test_codes_are_sparse_up_to_the_densest_sparse_row_and_no_further(n):
+    most = int(_SPARSE_AT_MOST * n)
+    for count, sparse in ((most, True), (most + 1, False)):
+        codes = np.zeros(n, np.int8)
+        at = np.random.default_rng(count).choice(np.arange(1, n - 1), count - 2, replace=False)
+        codes[np.concatenate([[0, n - 1], at])] = np.int8(-3)  # (the first and last codes among them)
+        block = encode_codes(codes)
+        back, used = decode_codes(np.frombuffer(block, np.uint8), n)
+        assert (block[0] == SPARSE) == sparse and used == len(block) and np.array_equal(back, codes)
 
 
 def test_sparse_codes_cost_within_a_percent_of_dense_ones():

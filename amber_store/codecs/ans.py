@@ -112,17 +112,19 @@ def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[b
     the rANS coder and a few numpy calls a row."""
     from . import kernels
 
+    rows = np.ascontiguousarray(rows)
     n = rows.shape[1]
     layouts_ok = _LAYOUT_MIN_CODES <= n < 1 << 32
+    most = int(_SPARSE_AT_MOST * n)
+    if layouts_ok:  # (reused by every row: a row's positions are copied out before the next)
+        positions, codes = np.empty(most + kernels.MASK, np.int64), np.empty(most + kernels.MASK, np.int8)
     out: list[bytes | None] = []
     found: list[np.ndarray] = []
     for row in rows:
         if layouts_ok:
-            count = np.count_nonzero(row)
-            if count <= _SPARSE_AT_MOST * n:
-                at, kept = np.empty(count + 8, np.int64), np.empty(count + 8, np.int8)  # (see kernels.nonzeros)
-                kernels.nonzeros(row, at, kept)
-                at, kept = at[:count], kept[:count]
+            count = kernels.nonzeros(row, positions, codes, most)
+            if count >= 0:
+                at, kept = positions[:count], codes[:count]
                 out.append(_sparse(at, kept) if count else None)
                 if find is not None:
                     found.append(at[kept == find])

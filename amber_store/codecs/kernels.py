@@ -31,6 +31,7 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 from numba.extending import intrinsic
 
 _OPTIONS = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
@@ -232,15 +233,17 @@ _WIDTHS = {types.float32: 32, types.float64: 64}
 
 
 @intrinsic
-def _draw(typingctx, x, y, at):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+def _draw(typingctx, x, y, at, offset):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     """A uniform 24-bit integer (2^-24 of it: a number in [0, 1)) from a value ``x``, its base
-    ``y`` and its place ``at`` in the chunk: a hash, so the same delta codes the same bytes on
+    ``y`` and its place ``at + k`` in the chunk, ``offset`` being ``k`` times :data:`GOLDEN`
+    (mod 2^32; a loop reads it from :func:`golden_places`: computed per element, a place
+    takes 64-bit lanes and a multiply, which cost a fifth of the loop): a hash, so the same delta codes the same bytes on
     every run and device (the torch code's :func:`~amber_store.codecs.entropy.dither`), drawn
     anew whenever the value moves. Two rounds of murmur3's 32-bit finalizer, on each float's
     bits folded to 32 (those of a negative one inverted, as torch's sign-extending
     ``to(int64)`` does). Written in 32-bit LLVM integers: numba widens every integer to 64
     bits, which would halve the vector lanes of the loops that draw."""
-    if x not in _WIDTHS or y != x or not isinstance(at, types.Integer):
+    if x not in _WIDTHS or y != x or not isinstance(at, types.Integer) or not isinstance(offset, types.Integer):
         return None
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -260,22 +263,37 @@ def _draw(typingctx, x, y, at):  # type: ignore[no-untyped-def]  # pragma: no co
             h = builder.mul(builder.xor(h, builder.lshr(h, const(13))), const(0xC2B2AE35))
             return builder.xor(h, builder.lshr(h, const(16)))
 
-        place = builder.mul(context.cast(builder, args[2], at, types.int32), const(0x9E3779B1))
+        place = builder.add(builder.mul(context.cast(builder, args[2], at, types.int32), const(GOLDEN)),
+                            context.cast(builder, args[3], offset, types.int32))
         h = fmix(builder.xor(fold(args[0]), place))
         return builder.lshr(fmix(builder.xor(h, fold(args[1]))), const(8))
 
-    return types.int32(x, y, at), codegen
+    return types.int32(x, y, at, offset), codegen
+
+
+#: The multiplier of a place in :func:`_draw`'s hash (the torch code's ``entropy._GOLDEN``)
+GOLDEN = 0x9E3779B1
 
 
 @njit(**_OPTIONS)
-def _dithered(v, b, inverse, scale, at, codes, recon):  # pragma: no cover (compiled)
+def golden_places(n):  # pragma: no cover (compiled)
+    """``k * GOLDEN`` mod 2^32 for ``k < n`` (uint32): :func:`_draw`'s offsets."""
+    out = np.empty(n, np.uint32)
+    for k in range(n):
+        out[k] = np.uint32((k * GOLDEN) & 0xFFFFFFFF)
+    return out
+
+
+@njit(**_OPTIONS)
+def _dithered(v, b, inverse, scale, at, places, codes, recon):  # pragma: no cover (compiled)
     """:func:`_rounded`, each code rounded down or up, up with the probability of the change's
-    fraction of a step (:func:`_draw`; ``at``: the first element's place in its chunk), so
-    that no update is lost on average. Returns whether a code is nonzero."""
+    fraction of a step (:func:`_draw`; ``at``: the first element's place in its chunk,
+    ``places``: :func:`golden_places` of at least ``v.size``), so that no update is lost on
+    average. Returns whether a code is nonzero."""
     top, zero, unit = v.dtype.type(127), v.dtype.type(0), v.dtype.type(2.0 ** -24)
     nonzero = np.int8(0)
     for i in range(v.size):
-        x = np.floor((v[i] - b[i]) * inverse[i] + v.dtype.type(_draw(v[i], b[i], at + i)) * unit)
+        x = np.floor((v[i] - b[i]) * inverse[i] + v.dtype.type(_draw(v[i], b[i], at, places[i])) * unit)
         q = min(max(x, -top), top) + zero  # (+ 0: code 0 is +0.0 to readers)
         code = np.int8(q)
         codes[i] = code
@@ -304,7 +322,7 @@ def _scaled_with_escapes(v, b, inverse, scale, codes, recon, at):  # pragma: no 
                 continue
             d = v.dtype.type(0)
         x = d * inverse
-        x = np.floor(x + v.dtype.type(_draw(v[i], b[i], at + i)) * unit) if at >= 0 else np.rint(x)
+        x = np.floor(x + v.dtype.type(_draw(v[i], b[i], at, i * GOLDEN)) * unit) if at >= 0 else np.rint(x)
         code = np.int8(min(max(x, -top), top))
         codes[i] = code
         nonzero |= code != 0
@@ -344,10 +362,10 @@ def _coarsened(changes, squares, drift):  # pragma: no cover (compiled)
 
 
 @njit(**_OPTIONS)
-def _coded(v, b, inverse, scale, at, stochastic, codes, recon):  # pragma: no cover (compiled)
+def _coded(v, b, inverse, scale, at, places, stochastic, codes, recon):  # pragma: no cover (compiled)
     """:func:`_dithered` or :func:`_rounded` of finite changes."""
     if stochastic:
-        return _dithered(v, b, inverse, scale, at, codes, recon)
+        return _dithered(v, b, inverse, scale, at, places, codes, recon)
     return _rounded(v, b, inverse, scale, codes, recon)
 
 
@@ -370,6 +388,7 @@ def block(v, b, starts, ends, width, size, step, drift, stochastic, codes, recon
     elements, then the run's codes in one loop (block by block where a change is not finite)."""
     zero, root = v.dtype.type(0), v.dtype.type(math.sqrt(size))
     inverse, scale = np.empty(_RUN * size, v.dtype), np.empty(_RUN * size, v.dtype)  # 2^-e and 2^e
+    places = golden_places(_RUN * size)
     finite = np.empty(_RUN, np.bool_)
     moved, escapes = False, 0
     for c in range(starts.size):
@@ -396,7 +415,7 @@ def block(v, b, starts, ends, width, size, step, drift, stochastic, codes, recon
                 scale[a - start:z - start] = _pow2(e, zero)
             if finite[:last - first].all():
                 n = stop - start
-                nonzero |= _coded(v[start:stop], b[start:stop], inverse[:n], scale[:n], start - lo, stochastic,
+                nonzero |= _coded(v[start:stop], b[start:stop], inverse[:n], scale[:n], start - lo, places, stochastic,
                                   codes[start:stop], recon[start:stop])
                 continue
             for j in range(first, last):
@@ -404,8 +423,8 @@ def block(v, b, starts, ends, width, size, step, drift, stochastic, codes, recon
                 z = min(a + size, hi)
                 k = a - start
                 if finite[j - first]:
-                    nonzero |= _coded(v[a:z], b[a:z], inverse[k:k + z - a], scale[k:k + z - a], a - lo, stochastic,
-                                      codes[a:z], recon[a:z])
+                    nonzero |= _coded(v[a:z], b[a:z], inverse[k:k + z - a], scale[k:k + z - a], a - lo, places,
+                                      stochastic, codes[a:z], recon[a:z])
                 else:
                     some, escaped = _scaled_with_escapes(v[a:z], b[a:z], inverse[k], scale[k], codes[a:z], recon[a:z],
                                                          a - lo if stochastic else -1)
@@ -540,51 +559,82 @@ def nibbles(codes, packed, at):  # pragma: no cover (compiled)
     return k
 
 
+#: codes a :func:`_nonzero_mask` tests at once
+MASK = 64
+
+
+@intrinsic
+def _nonzero_mask(typingctx, codes, at):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+    """Which of the 64 int8 ``codes[at:at + 64]`` are nonzero, as the bits of a uint64 (bit
+    ``i``: code ``at + i``; little-endian targets): one vector compare (on AVX-512 one
+    instruction and a mask move) where a loop over the codes branched per code."""
+    if not (isinstance(codes, types.Array) and codes.dtype == types.int8 and codes.layout == "C"
+            and isinstance(at, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        vector = ir.VectorType(ir.IntType(8), MASK)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        loaded = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vector.as_pointer()), align=1)
+        return builder.bitcast(builder.icmp_unsigned("!=", loaded, ir.Constant(vector, None)), ir.IntType(MASK))
+
+    return types.uint64(codes, at), codegen
+
+
 @njit(**_OPTIONS)
-def nonzeros(codes, at, kept):  # pragma: no cover (compiled)
-    """The positions of the nonzero ``codes`` into ``at`` and those codes into ``kept`` (both
-    sized to their count plus 8: a word's zeros after its last nonzero code are written past
-    it), eight codes at a time (a zero word holds none)."""
+def nonzeros(codes, at, kept, most):  # pragma: no cover (compiled)
+    """The positions of the nonzero ``codes`` (contiguous) into ``at`` and those codes into
+    ``kept`` (both at least ``most + 64`` long), 64 codes tested at a time; returns their count,
+    or -1 (having stopped early) when there are more than ``most``."""
     k = 0
-    words = codes[: codes.size // 8 * 8].view(np.uint64)
-    for w in range(words.size):
-        if words[w]:
-            for i in range(8 * w, 8 * w + 8):  # (written whether kept or not: no branch to mispredict)
-                at[k] = i
-                kept[k] = codes[i]
-                k += codes[i] != 0
-    for i in range(8 * words.size, codes.size):
+    end = codes.size // MASK * MASK
+    for w in range(0, end, MASK):
+        mask = _nonzero_mask(codes, w)
+        while mask:
+            i = w + trailing_zeros(mask)
+            at[k] = i
+            kept[k] = codes[i]
+            k += 1
+            mask &= mask - np.uint64(1)
+        if k > most:
+            return -1
+    for i in range(end, codes.size):
         if codes[i]:
             at[k] = i
             kept[k] = codes[i]
             k += 1
+    return k if k <= most else -1
 
 
 @njit(**_OPTIONS)
 def gaps(at, classes, extra):  # pragma: no cover (compiled)
-    """The gaps before the increasing positions ``at`` (the zeros before each nonzero code) as
-    deflate codes distances: each one's class, its bit length, into ``classes`` (int8), and
-    its bits but the leading one, least significant first, into ``extra`` (bytes, in
-    little-endian bit order, at most 31 bits a gap); returns the bytes of ``extra`` used."""
+    """The gaps before the increasing positions ``at`` (the zeros before each nonzero code; each
+    below 2^32) as deflate codes distances: each one's class, its bit length, into ``classes``
+    (int8), and its bits but the leading one, least significant first, into ``extra`` (bytes, in
+    little-endian bit order, at most 31 bits a gap; at least ``4 * at.size`` long); returns the
+    bytes of ``extra`` used."""
     acc = np.uint64(0)
-    fill = 0
+    fill = np.uint64(0)  # (bits in acc: below 32 between gaps)
     m = 0
     prev = -1
     for i in range(at.size):
-        gap = at[i] - prev - 1
+        gap = np.uint64(at[i] - prev - 1)
         prev = at[i]
-        c = math.frexp(float(gap))[1]  # (exact below 2^53; 0 for a gap of 0)
-        classes[i] = c
+        c = np.uint64(64) - leading_zeros(gap)  # (0 for a gap of 0)
+        classes[i] = np.int8(c)
         if c > 1:
-            acc |= np.uint64(gap & ((1 << (c - 1)) - 1)) << np.uint64(fill)
-            fill += c - 1
-            while fill >= 8:
-                extra[m] = np.uint8(acc & np.uint64(255))
-                acc >>= np.uint64(8)
-                fill -= 8
-                m += 1
-    if fill:
-        extra[m] = np.uint8(acc)
+            acc |= (gap ^ (np.uint64(1) << (c - np.uint64(1)))) << fill
+            fill += c - np.uint64(1)
+            if fill >= 32:
+                for j in range(4):
+                    extra[m + j] = np.uint8((acc >> np.uint64(8 * j)) & np.uint64(255))
+                acc >>= np.uint64(32)
+                fill -= np.uint64(32)
+                m += 4
+    while fill > 0:
+        extra[m] = np.uint8(acc & np.uint64(255))
+        acc >>= np.uint64(8)
+        fill = fill - np.uint64(8) if fill > 8 else np.uint64(0)
         m += 1
     return m
 
