@@ -117,7 +117,7 @@ def encode_codes_many(rows: np.ndarray, find: int | None = None) -> tuple[list[b
     layouts_ok = _LAYOUT_MIN_CODES <= n < 1 << 32
     most = int(_SPARSE_AT_MOST * n)
     if layouts_ok:  # (reused by every row: a row's positions are copied out before the next)
-        positions, codes = np.empty(most + kernels.MASK, np.int64), np.empty(most + kernels.MASK, np.int8)
+        positions, codes = np.empty(most, np.int64), np.empty(most, np.int8)
     out: list[bytes | None] = []
     found: list[np.ndarray] = []
     for row in rows:

@@ -560,7 +560,7 @@ def nibbles(codes, packed, at):  # pragma: no cover (compiled)
 
 
 #: codes a :func:`_nonzero_mask` tests at once
-MASK = 64
+_MASK = 64
 
 
 @intrinsic
@@ -573,22 +573,42 @@ def _nonzero_mask(typingctx, codes, at):  # type: ignore[no-untyped-def]  # prag
         return None
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        vector = ir.VectorType(ir.IntType(8), MASK)
+        vector = ir.VectorType(ir.IntType(8), _MASK)
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         loaded = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vector.as_pointer()), align=1)
-        return builder.bitcast(builder.icmp_unsigned("!=", loaded, ir.Constant(vector, None)), ir.IntType(MASK))
+        return builder.bitcast(builder.icmp_unsigned("!=", loaded, ir.Constant(vector, None)), ir.IntType(_MASK))
 
     return types.uint64(codes, at), codegen
+
+
+@intrinsic
+def _popcount(typingctx, x):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+    """The set bits of a uint64, as an int64."""
+    if x != types.uint64:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.ctpop(args[0])
+
+    return types.int64(x), codegen
 
 
 @njit(**_OPTIONS)
 def nonzeros(codes, at, kept, most):  # pragma: no cover (compiled)
     """The positions of the nonzero ``codes`` (contiguous) into ``at`` and those codes into
-    ``kept`` (both at least ``most + 64`` long), 64 codes tested at a time; returns their count,
-    or -1 (having stopped early) when there are more than ``most``."""
+    ``kept`` (both at least ``most`` long), 64 codes tested at a time; returns their count, or
+    -1 when there are more than ``most`` (counted first: a count from the masks alone costs a
+    few percent of finding them)."""
+    end = codes.size // _MASK * _MASK
     k = 0
-    end = codes.size // MASK * MASK
-    for w in range(0, end, MASK):
+    for w in range(0, end, _MASK):
+        k += _popcount(_nonzero_mask(codes, w))
+    for i in range(end, codes.size):
+        k += codes[i] != 0
+    if k > most:
+        return -1
+    k = 0
+    for w in range(0, end, _MASK):
         mask = _nonzero_mask(codes, w)
         while mask:
             i = w + trailing_zeros(mask)
@@ -596,14 +616,12 @@ def nonzeros(codes, at, kept, most):  # pragma: no cover (compiled)
             kept[k] = codes[i]
             k += 1
             mask &= mask - np.uint64(1)
-        if k > most:
-            return -1
     for i in range(end, codes.size):
         if codes[i]:
             at[k] = i
             kept[k] = codes[i]
             k += 1
-    return k if k <= most else -1
+    return k
 
 
 @njit(**_OPTIONS)
