@@ -8,8 +8,8 @@ import pytest
 
 from numcodecs import zstd
 
-from amber_store.codecs.ans import (_SPARSE_AT_MOST, DENSE, NIBBLES, SPARSE, _gaps_decode, _gaps_encode, ans_decode, ans_encode,
-                                 decode_codes, encode_codes, encode_codes_many, entropy_bits)
+from amber_store.codecs.ans import (_SPARSE_AT_MOST, DENSE, NIBBLES, SPARSE, _gaps_decode, _gaps_encode, ans_decode,
+                                 ans_encode, decode_codes, encode_codes, encode_codes_many, entropy_bits)
 
 
 @pytest.mark.parametrize("codes", [

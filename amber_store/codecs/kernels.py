@@ -237,8 +237,8 @@ def _draw(typingctx, x, y, at, offset):  # type: ignore[no-untyped-def]  # pragm
     """A uniform 24-bit integer (2^-24 of it: a number in [0, 1)) from a value ``x``, its base
     ``y`` and its place ``at + k`` in the chunk, ``offset`` being ``k`` times :data:`GOLDEN`
     (mod 2^32; a loop reads it from :func:`golden_places`: computed per element, a place
-    takes 64-bit lanes and a multiply, which cost a fifth of the loop): a hash, so the same delta codes the same bytes on
-    every run and device (the torch code's :func:`~amber_store.codecs.entropy.dither`), drawn
+    took 64-bit lanes and a multiply, a fifth of the loop): a hash, so the same delta codes
+    the same bytes on every run and device (the torch code's :func:`~amber_store.codecs.entropy.dither`), drawn
     anew whenever the value moves. Two rounds of murmur3's 32-bit finalizer, on each float's
     bits folded to 32 (those of a negative one inverted, as torch's sign-extending
     ``to(int64)`` does). Written in 32-bit LLVM integers: numba widens every integer to 64
@@ -597,8 +597,9 @@ def _popcount(typingctx, x):  # type: ignore[no-untyped-def]  # pragma: no cover
 def nonzeros(codes, at, kept, most):  # pragma: no cover (compiled)
     """The positions of the nonzero ``codes`` (contiguous) into ``at`` and those codes into
     ``kept`` (both at least ``most`` long), 64 codes tested at a time; returns their count, or
-    -1 when there are more than ``most`` (counted first: a count from the masks alone costs a
-    few percent of finding them)."""
+    -1 when there are more than ``most``: counted first, from the masks alone, so that a dense
+    row is refused in one cheap pass (measured per 1 MiB of codes: 6 us at 60% nonzero; at
+    1.3%, 16 us in all against 11 for the positions alone)."""
     end = codes.size // _MASK * _MASK
     k = 0
     for w in range(0, end, _MASK):
