@@ -251,7 +251,7 @@ def test_an_entropy_coded_delta_built_in_a_recycled_buffer_is_the_same_delta(cod
 
 @pytest.mark.parametrize("codec", [amber.QuantizedDeltaCodec(bits=8), amber.QuantizedDeltaCodec(bits=4),
                                    amber.SparseDeltaCodec(threshold=0.05)], ids=["quant8", "quant4", "sparse"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])  # (readers' kernel; torch code)
 @pytest.mark.parametrize("rows", [16, 24])  # chunks that tile the tensor; a ragged edge chunk
 def test_quantized_and_sparse_deltas_read_back_as_the_writer_reconstructed_them(local_store, codec, dtype, rows,
                                                                                 diff_path):

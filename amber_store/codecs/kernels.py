@@ -777,6 +777,16 @@ def unblock(x, codes, side, block):  # pragma: no cover (compiled)
 
 
 @njit(**_OPTIONS)
+def unquant(x, codes, scale):  # pragma: no cover (compiled)
+    """A quantized delta restored in place: ``x`` (a chunk's base values, float32 or float64)
+    plus each code times the chunk's ``scale`` rounded to ``x``'s dtype, a rounded product and
+    a rounded sum, as :func:`quantized` (the writer) and the torch code compute them."""
+    step = x.dtype.type(scale)
+    for i in range(x.size):
+        x[i] = x[i] + x.dtype.type(codes[i]) * step
+
+
+@njit(**_OPTIONS)
 def unratio(x, codes, factors):  # pragma: no cover (compiled)
     """A ratio delta restored in place: ``x`` (a chunk's base values) times each code's factor
     (``factors[code + 128]``, the writer's table), one rounded product as for the writer."""

@@ -123,6 +123,16 @@ class QuantizedDeltaCodec(ElementwiseDeltaCodec):
 
     def apply_into(self, out: np.ndarray, stored: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> None:
         assert entry.params is not None
+        dtype = DTYPES[entry.dtype]
+        if compute_dtype(dtype) == dtype and out.flags.c_contiguous:  # (float32, float64) in place, by a kernel
+            from . import kernels
+
+            values = out.view(np.float32 if dtype == torch.float32 else np.float64)
+            for flat, _, local in region_chunks(region, tuple(entry.shape), tuple(entry.chunks)):
+                scale = float.fromhex(entry.params["scales"][flat])
+                if scale:  # (a chunk is one contiguous run of its region: its reshape is a view)
+                    kernels.unquant(values[local].reshape(-1), np.ascontiguousarray(stored[local]).reshape(-1), scale)
+            return
         scales = [float.fromhex(s) for s in entry.params["scales"]]
         out[...] = dequantize(to_bits(numpy_to_tensor(out, entry.dtype)), stored, region, entry.dtype,
                               tuple(entry.shape), tuple(entry.chunks), scales)
