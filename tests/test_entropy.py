@@ -8,7 +8,7 @@ import pytest
 
 from numcodecs import zstd
 
-from amber_store.codecs.ans import (_SPARSE_AT_MOST, DENSE, NIBBLES, SPARSE, _gaps_decode, _gaps_encode, ans_decode,
+from amber_store.codecs.ans import (_SPARSE_AT_MOST, DENSE, NIBBLES, SPARSE, _gaps_encode, _positions_decode, ans_decode,
                                  ans_encode, decode_codes, encode_codes, encode_codes_many, entropy_bits)
 
 
@@ -166,8 +166,20 @@ def test_gaps_round_trip_up_to_the_largest_a_chunk_can_hold():
     rng = np.random.default_rng(4)
     gaps = np.floor(rng.exponential(10.0 ** rng.uniform(0, 9, 500))).astype(np.int64)
     gaps[:4] = [0, 1, (1 << 31), (1 << 32) - 1]
-    classes, extra = _gaps_encode(np.cumsum(gaps + 1) - 1)  # (the positions after those gaps)
-    assert np.array_equal(_gaps_decode(classes, extra), gaps)
+    positions = np.cumsum(gaps + 1) - 1  # (the positions after those gaps)
+    classes, extra = _gaps_encode(positions)
+    assert np.array_equal(_positions_decode(classes, extra), positions)
+
+
+def test_malformed_gaps_are_refused_not_misread():
+    classes, extra = _gaps_encode(np.array([0, 9, 700, 70_000], np.int64))
+    assert extra.size > 1
+    for bad_classes, bad_extra in ((np.r_[classes[:-1], 33].astype(np.int8), extra),  # a class past 32 bits
+                                   (np.r_[classes[:-1], -1].astype(np.int8), extra),
+                                   (classes, extra[:-1]),  # extra bits cut short
+                                   (classes, np.r_[extra, 0].astype(np.uint8))):  # a byte too many
+        with pytest.raises(ValueError, match="malformed"):
+            _positions_decode(bad_classes, bad_extra)
 
 
 def test_malformed_codes_are_refused_not_misread():

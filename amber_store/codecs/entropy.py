@@ -101,18 +101,19 @@ class CodedDelta(DeltaCodec):
 
     def _parse(self, raw: np.ndarray, n: int, bits: np.dtype
                ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
-        """(side codes, element codes, escaped bits, the mask of the escaped codes) of one
-        stored chunk of ``n`` elements."""
+        """(side codes, element codes, escaped bits, the positions of the escaped codes) of
+        one stored chunk of ``n`` elements."""
+        from . import kernels
+
         side, codes, at = _coded_chunk(raw, n, self.side_width, self.sparse_codes)
         escaped = raw[at:].view(bits.newbyteorder("<"))
-        mask = codes == ESCAPE
-        if escaped.size != int(np.count_nonzero(mask)):
+        if escaped.size != kernels.count(codes, ESCAPE):  # (counted 64 at a time: most chunks have none)
             raise ValueError("escaped values do not match their codes")
-        return side, codes, escaped, mask
+        return side, codes, escaped, np.flatnonzero(codes == ESCAPE) if escaped.size else np.empty(0, np.int64)
 
     def decode_into(self, out: np.ndarray, raw: np.ndarray, padded: int, region: tuple[slice, ...],
                     entry: TensorEntry) -> None:
-        side, codes, escaped, mask = self._parse(raw, padded, out.dtype)
+        side, codes, escaped, at = self._parse(raw, padded, out.dtype)
         codes, flat = codes[: out.size], out.reshape(-1)
         dtype = DTYPES[entry.dtype]
         if compute_dtype(dtype) == dtype:  # (float32, float64) in place, in one pass
@@ -120,7 +121,9 @@ class CodedDelta(DeltaCodec):
         else:
             base = numpy_to_tensor(flat, entry.dtype).to(compute_dtype(dtype))
             flat[...] = to_bits(self._restore(base, torch.from_numpy(codes), side).to(dtype)).numpy().view(out.dtype)
-        flat[mask[: out.size]] = escaped
+        if at.size and at[-1] >= out.size:  # (the padding of an edge chunk holds only zeros)
+            raise ValueError("an escaped code in a chunk's padding")
+        flat[at] = escaped
 
     @abc.abstractmethod
     def _restore(self, base: torch.Tensor, codes: torch.Tensor, side: np.ndarray | None) -> torch.Tensor:
