@@ -11,8 +11,9 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Coroutine
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Coroutine
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any, Iterable, TypeVar
 
 from zarr.core.sync import sync
@@ -46,25 +47,47 @@ IMPATIENT_SECONDS = 2.0
 def interruptible(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` on zarr's event loop and wait for it, like zarr's ``sync``, but cancel it
     when the wait is interrupted (KeyboardInterrupt) and let it clean up before the interrupt
-    goes on: a save interrupted before its commit is never committed behind the caller's back,
-    and its data is gone. The first interrupt is raised, alone (see :func:`_await_cleanup`)."""
-    finished = threading.Event()
-    task: list[asyncio.Task[Any]] = []
+    goes on: a save interrupted before its commit began is never committed behind the caller's
+    back, and its data is gone (one interrupted during its commit, milliseconds, is committed).
+    The first interrupt is raised, alone (see :func:`_await_cleanup`).
 
-    async def run() -> T:
-        task.append(asyncio.current_task())  # type: ignore[arg-type]
-        try:
-            return await coro
-        finally:
+    An interrupt may land anywhere in this function, the hand-over to the loop included: the
+    task is made and cancelled by callbacks on the loop, which run in the order they were
+    handed over, so a cancel always finds the task made or knows it never will be."""
+    loop = event_loop()
+    outcome: Future[T] = Future()
+    finished = threading.Event()
+    task: list[asyncio.Task[T]] = []
+
+    def start() -> None:
+        t = loop.create_task(coro)
+        task.append(t)
+        t.add_done_callback(lambda t: (_settle(outcome, t), finished.set()))
+
+    def cancel() -> None:
+        if task:
+            task[0].cancel()
+        else:  # start() was never handed over: the coroutine never runs
+            outcome.cancel()
+            coro.close()
             finished.set()
 
-    future = asyncio.run_coroutine_threadsafe(run(), event_loop())
     try:
-        return future.result()
+        loop.call_soon_threadsafe(start)
+        return outcome.result()
     except BaseException:
-        future.cancel()
+        loop.call_soon_threadsafe(cancel)
         _await_cleanup(finished, task)
         raise
+
+
+def _settle(outcome: Future[T], task: asyncio.Task[T]) -> None:
+    if task.cancelled():
+        outcome.cancel()
+    elif task.exception() is not None:
+        outcome.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        outcome.set_result(task.result())
 
 
 def _await_cleanup(finished: threading.Event, task: list[asyncio.Task[Any]]) -> None:
@@ -82,6 +105,21 @@ def _await_cleanup(finished: threading.Event, task: list[asyncio.Task[Any]]) -> 
         # asyncio would print "Task was destroyed but it is pending" at exit.
         for t in task:
             t._log_destroy_pending = False  # type: ignore[attr-defined]
+
+
+async def finish(aw: Awaitable[T]) -> T:
+    """Await ``aw`` to its end even if the caller is cancelled meanwhile, then let the
+    cancellation go on: for work that must not outlive its caller's cleanup (a thread's write,
+    which nothing stops, landing after an interrupted save deleted its attempt) or whose
+    outcome must be learnt (a commit)."""
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():  # (cancelled again meanwhile: still wait)
+            with suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
+        raise
 
 
 async def gather(aws: Iterable[Any]) -> list[Any]:

@@ -40,7 +40,7 @@ from .format import Manifest, TensorEntry
 from .history import PARENTS, History, json_bytes, next_segment, parent_policies, parent_policy, step_base
 from .options import Options
 from .reader import Reader, ReadSession
-from .runtime import gather, writer_pool
+from .runtime import finish, gather, writer_pool
 from .stepwriter import Base, BaseCache, StepWriter, Written
 from .storage import is_storage_error
 
@@ -224,8 +224,12 @@ class Writer:
     async def open_group(self, plan: StepPlan) -> None:
         """Create the attempt group before its data, stamped with its start time, so retention
         can tell a save in progress from the remains of a crashed one (``grace_seconds``)."""
-        await self.backend.put_object(f"{plan.group}/zarr.json",
-                                      [json_bytes(fmt.step_group_metadata(plan.step, time.time(), {}))])
+        try:
+            await self.backend.put_object(f"{plan.group}/zarr.json",
+                                          [json_bytes(fmt.step_group_metadata(plan.step, time.time(), {}))])
+        except BaseException as e:  # interrupted as it is written: the caller has no plan to abandon yet
+            await self.abandon(plan, e)
+            raise
 
     # --- a save ---------------------------------------------------------------------------
 
@@ -255,11 +259,17 @@ class Writer:
                 await self.abandon(planned[0], e)
             raise
         plan = planned[0]
-        manifest = await self.commit(plan, written, tree, created, time.perf_counter() - t0,
-                                     {"metrics": metrics} if metrics else {})
-        self.bases.put(step, written.values)
-        self.bases.keep(self.live_bases(manifest))
-        return manifest
+
+        async def commit() -> Manifest:
+            manifest = await self.commit(plan, written, tree, created, time.perf_counter() - t0,
+                                         {"metrics": metrics} if metrics else {})
+            self.bases.put(step, written.values)
+            self.bases.keep(self.live_bases(manifest))
+            return manifest
+
+        # Once begun, the commit runs to its end: a caller interrupted meanwhile finds the step
+        # committed (a manifest may be landing; one left half-way would strand the attempt).
+        return await finish(commit())
 
     async def _stage(self, step: int, tensors: dict[str, torch.Tensor], full: bool | None, deadline: float | None,
                      doing: list[str], planned: list[StepPlan]) -> tuple[Written, float]:

@@ -24,6 +24,7 @@ from zarr.storage import LocalStore, WrapperStore
 import amber_store as amber
 from amber_store import format as fmt
 from amber_store.history import History
+from amber_store.runtime import event_loop
 from amber_store.storage import resolve
 from amber_store.storage.local import MAP_MIN_BYTES
 from amber_store.writer import Writer
@@ -560,6 +561,75 @@ def test_ctrl_c_mid_save_deletes_the_attempt_and_a_second_one_exits_with_one_tra
     # (the cleanup takes milliseconds: a second Ctrl-C, which cuts its wait to 2 s, finds it done)
     assert sync(History(resolve(str(tmp_path / "ckpt"))).stray_attempts()) == []
     assert amber.open(tmp_path / "ckpt", mode="r").steps()
+
+
+INTERRUPTED_AT = r"""
+import asyncio, os, signal, sys, threading, time, torch, amber_store as amber
+from amber_store.history import History
+from amber_store.runtime import sync
+from amber_store.storage import local, resolve
+uri, stage = sys.argv[1], sys.argv[2]
+store = amber.open(uri)
+store.save(1, {"w": torch.ones(1000)})
+reached = threading.Event()
+write_aside, create = local._write_aside, History._create
+
+def slow_group(path, data, durable=True):  # the group's zarr.json: as the group opens, then as it is sealed
+    if path.name == "zarr.json" and path.parent.name.startswith("000000000002-") and \
+            stage == ("seal" if path.exists() else "open"):
+        reached.set()
+        time.sleep(0.3)
+    return write_aside(path, data, durable)
+
+async def slow_commit(self, manifest, latest):  # begun, the manifest not yet sent
+    if stage == "commit":
+        reached.set()
+        await asyncio.sleep(0.3)
+    return await create(self, manifest, latest)
+
+local._write_aside, History._create = slow_group, slow_commit
+threading.Thread(target=lambda: (reached.wait(), os.kill(os.getpid(), signal.SIGINT)), daemon=True).start()
+try:
+    store.save(2, {"w": torch.full((1000,), 2.0)})
+except KeyboardInterrupt:
+    print("interrupted")
+time.sleep(0.5)  # (a write that outlived the save would land meanwhile)
+print(amber.open(uri, mode="r").steps(), len(sync(History(resolve(uri)).stray_attempts())))
+"""
+
+
+@pytest.mark.parametrize("stage, steps", [("open", [1]), ("seal", [1]), ("commit", [1, 2])])
+def test_ctrl_c_while_a_thread_writes_the_attempt_or_the_commit_runs_leaves_no_attempt_behind(tmp_path, stage, steps):
+    # A thread's write cannot be stopped: the cancelled save waits for it before deleting the
+    # attempt (else the file lands after the delete). A commit, once begun, runs to its end.
+    out = subprocess.run([sys.executable, "-c", INTERRUPTED_AT, str(tmp_path / "ckpt"), stage], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["interrupted", f"{steps} 0"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("handed_over", [True, False])
+def test_ctrl_c_as_a_save_is_handed_to_the_event_loop_leaves_no_attempt_and_the_store_usable(tmp_path, monkeypatch,
+                                                                                          handed_over):
+    store = amber.open(tmp_path / "ckpt")
+    store.save(1, {"w": torch.ones(8)})
+    loop = event_loop()
+    hand_over = loop.call_soon_threadsafe
+
+    def interrupted(callback, *args):  # the interrupt lands just after (or before) the save reaches the loop
+        if getattr(callback, "__qualname__", "") != "interruptible.<locals>.start":
+            return hand_over(callback, *args)
+        if handed_over:
+            hand_over(callback, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.save(2, {"w": torch.full((8,), 2.0)})
+    monkeypatch.undo()
+    assert sync(History(resolve(str(tmp_path / "ckpt"))).stray_attempts()) == []
+    store.save(2, {"w": torch.full((8,), 3.0)})
+    assert_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2)["w"], torch.full((8,), 3.0))
 
 
 def test_a_stray_attempt_in_a_store_opened_on_a_zarr_store_object_names_no_uri_it_cannot_reopen(tmp_path):

@@ -21,6 +21,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import LocalStore
 
 from ..errors import InvalidURIError, NotAnAmberStoreError
+from ..runtime import finish
 from .base import Backend
 
 #: Local objects at least this large are read by mapping them (smaller ones: a read is cheaper).
@@ -68,7 +69,9 @@ class MappedLocalStore(LocalStore):
 
 
 class LocalBackend(Backend):
-    """A directory on a local (or mounted) filesystem."""
+    """A directory on a local (or mounted) filesystem. Writes run on threads, which nothing
+    stops: a write's caller, cancelled, waits for it (:func:`~amber_store.runtime.finish`), so
+    no file lands after the cleanup of an interrupted save."""
 
     schemes = ("file",)
 
@@ -91,18 +94,18 @@ class LocalBackend(Backend):
         ``durable`` it is fsynced before the rename, overlapping the disk's work with the
         encoding of the next object (by :meth:`make_durable`, only directories cost anything)."""
         path = self.root / key
-        await asyncio.to_thread(lambda: os.replace(_write_aside(path, parts, durable), path))
+        await finish(asyncio.to_thread(lambda: os.replace(_write_aside(path, parts, durable), path)))
 
     async def put(self, key: str, data: bytes) -> None:
-        await asyncio.to_thread(replace_file, self.root / key, data)
+        await finish(asyncio.to_thread(replace_file, self.root / key, data))
 
     async def put_if_absent(self, key: str, data: bytes) -> bool:
         """Written aside, then hard-linked into place: the link fails if the name exists, and
         readers never see a partial file."""
-        return await asyncio.to_thread(_link_into_place, self.root / key, data)
+        return await finish(asyncio.to_thread(_link_into_place, self.root / key, data))
 
     async def make_durable(self, keys: list[str]) -> None:
-        await asyncio.to_thread(_fsync_all, self.root, keys)
+        await finish(asyncio.to_thread(_fsync_all, self.root, keys))
 
     async def delete(self, key: str) -> None:
         """The file, then each directory above it left empty, up to the store's top-level ones
