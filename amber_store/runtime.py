@@ -107,19 +107,27 @@ def _await_cleanup(finished: threading.Event, task: list[asyncio.Task[Any]]) -> 
             t._log_destroy_pending = False  # type: ignore[attr-defined]
 
 
-async def finish(aw: Awaitable[T]) -> T:
-    """Await ``aw`` to its end even if the caller is cancelled meanwhile, then let the
-    cancellation go on: for work that must not outlive its caller's cleanup (a thread's write,
-    which nothing stops, landing after an interrupted save deleted its attempt) or whose
-    outcome must be learnt (a commit)."""
+async def finish(aw: Awaitable[T], within: float | None = None) -> T:
+    """Await ``aw`` to its end even if the caller is cancelled meanwhile (for at most ``within``
+    seconds more), then let the cancellation go on: for work that must not outlive its caller's
+    cleanup (a thread's write, which nothing stops, landing after an interrupted save deleted
+    its attempt) or whose outcome must be learnt (a commit)."""
     task = asyncio.ensure_future(aw)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        while not task.done():  # (cancelled again meanwhile: still wait)
+        loop = asyncio.get_running_loop()
+        end = None if within is None else loop.time() + within
+        while not task.done() and (end is None or loop.time() < end):  # (cancelled again meanwhile: still wait)
             with suppress(asyncio.CancelledError):
-                await asyncio.wait([task])
+                await asyncio.wait([task], timeout=None if end is None else end - loop.time())
+        task.add_done_callback(_retrieved)  # (one given up on may fail later, unheard)
         raise
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def gather(aws: Iterable[Any]) -> list[Any]:

@@ -26,6 +26,7 @@ from amber_store import format as fmt
 from amber_store.history import History
 from amber_store.runtime import event_loop
 from amber_store.storage import resolve
+from amber_store.storage import local
 from amber_store.storage.local import MAP_MIN_BYTES
 from amber_store.writer import Writer
 from conftest import flip_stored_byte, is_data_key, stored_chunk, save_at_once, assert_bit_equal, assert_tree_bit_equal
@@ -606,6 +607,29 @@ def test_ctrl_c_while_a_thread_writes_the_attempt_or_the_commit_runs_leaves_no_a
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["interrupted", f"{steps} 0"], out.stdout + out.stderr
+
+
+def test_a_hung_local_write_holds_a_save_past_its_deadline_only_briefly(tmp_path, monkeypatch):
+    # (a cancelled write's caller waits for its thread, so that nothing lands after an
+    # interrupted save's cleanup: but not for a mount that hangs)
+    monkeypatch.setattr(local, "WRITE_SETTLE_SECONDS", 0.5)
+    store = amber.open(tmp_path / "ckpt", save_timeout=1)
+    store.save(1, {"w": torch.ones(8)})
+    release, write_aside = threading.Event(), local._write_aside
+
+    def hung(path, data, durable=True):  # the group's zarr.json, written again as the group is sealed
+        if path.name == "zarr.json" and path.parent.name.startswith("000000000002-") and path.exists():
+            release.wait(60)
+        return write_aside(path, data, durable)
+
+    monkeypatch.setattr(local, "_write_aside", hung)
+    t0 = time.monotonic()
+    with pytest.raises(amber.StorageAccessError, match="did not finish within save_timeout=1 s, stopped while sealing"):
+        store.save(2, {"w": torch.full((8,), 2.0)})
+    assert time.monotonic() - t0 < 15
+    release.set()
+    store.save(2, {"w": torch.full((8,), 3.0)})
+    assert_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2)["w"], torch.full((8,), 3.0))
 
 
 @pytest.mark.parametrize("handed_over", [True, False])

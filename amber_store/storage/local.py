@@ -12,7 +12,8 @@ import mmap
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import SplitResult
 
 import numpy as np
@@ -23,6 +24,8 @@ from zarr.storage import LocalStore
 from ..errors import InvalidURIError, NotAnAmberStoreError
 from ..runtime import finish
 from .base import Backend
+
+T = TypeVar("T")
 
 #: Local objects at least this large are read by mapping them (smaller ones: a read is cheaper).
 MAP_MIN_BYTES = 1 << 20
@@ -69,9 +72,7 @@ class MappedLocalStore(LocalStore):
 
 
 class LocalBackend(Backend):
-    """A directory on a local (or mounted) filesystem. Writes run on threads, which nothing
-    stops: a write's caller, cancelled, waits for it (:func:`~amber_store.runtime.finish`), so
-    no file lands after the cleanup of an interrupted save."""
+    """A directory on a local (or mounted) filesystem."""
 
     schemes = ("file",)
 
@@ -94,18 +95,18 @@ class LocalBackend(Backend):
         ``durable`` it is fsynced before the rename, overlapping the disk's work with the
         encoding of the next object (by :meth:`make_durable`, only directories cost anything)."""
         path = self.root / key
-        await finish(asyncio.to_thread(lambda: os.replace(_write_aside(path, parts, durable), path)))
+        await _write(lambda: os.replace(_write_aside(path, parts, durable), path))
 
     async def put(self, key: str, data: bytes) -> None:
-        await finish(asyncio.to_thread(replace_file, self.root / key, data))
+        await _write(replace_file, self.root / key, data)
 
     async def put_if_absent(self, key: str, data: bytes) -> bool:
         """Written aside, then hard-linked into place: the link fails if the name exists, and
         readers never see a partial file."""
-        return await finish(asyncio.to_thread(_link_into_place, self.root / key, data))
+        return await _write(_link_into_place, self.root / key, data)
 
     async def make_durable(self, keys: list[str]) -> None:
-        await finish(asyncio.to_thread(_fsync_all, self.root, keys))
+        await _write(_fsync_all, self.root, keys)
 
     async def delete(self, key: str) -> None:
         """The file, then each directory above it left empty, up to the store's top-level ones
@@ -120,6 +121,18 @@ class LocalBackend(Backend):
     async def footprint(self) -> dict[str, int]:
         """Besides files and their sizes: disk blocks allocated, and ``directories``."""
         return await asyncio.to_thread(_local_footprint, self.root)
+
+
+#: how long the caller of a write, cancelled, still waits for it (:func:`_write`)
+WRITE_SETTLE_SECONDS = 5.0
+
+
+async def _write(func: Callable[..., T], *args: Any) -> T:
+    """``func(*args)`` on a thread, which nothing stops: a caller cancelled meanwhile waits for
+    it, so no file lands after the cleanup of an interrupted save, but for at most
+    :data:`WRITE_SETTLE_SECONDS` (a hung mount must not hold a save long past its deadline;
+    what lands later is an attempt for gc)."""
+    return await finish(asyncio.to_thread(func, *args), within=WRITE_SETTLE_SECONDS)
 
 
 def _prune(root: Path, key: str) -> None:
