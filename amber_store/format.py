@@ -12,9 +12,11 @@ import functools
 import io
 import json
 import math
+import mmap
 import operator
 import pathlib
 import re
+import sys
 from collections import OrderedDict
 from itertools import chain, repeat
 from dataclasses import dataclass, field
@@ -184,6 +186,34 @@ def host_empty(shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
     dtype = np.dtype(dtype)
     n = int(np.prod(shape))
     return torch.empty(n * dtype.itemsize, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
+
+
+#: Linux's ``madvise(MADV_POPULATE_WRITE)`` (5.14 and later)
+_POPULATE_WRITE = 23
+_madvise: Any = None  # (libc's, once looked up; False where there is none or the kernel refuses)
+
+
+def populate(a: np.ndarray) -> None:
+    """Fault in the pages of ``a`` (contiguous, about to be written whole) with one call, rather
+    than one trap per page as a decoder first writes each: a fresh process's load writes into
+    fresh memory (measured, 512 MiB of fresh tensor memory on this project's 2-core VM: 0.13-0.17
+    s of system time populated, 0.19-0.25 s faulted page by page). Does nothing where the
+    platform or the kernel has no such call."""
+    global _madvise
+    if _madvise is None:
+        _madvise = False
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            f = ctypes.CDLL(None, use_errno=True).madvise
+            f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            _madvise = f
+    if not _madvise:
+        return
+    start = -(-a.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE  # (whole pages of ``a`` only)
+    end = (a.ctypes.data + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start and _madvise(start, end - start, _POPULATE_WRITE) != 0:
+        _madvise = False  # (an older kernel: EINVAL)
 
 
 # --- chunking -----------------------------------------------------------------------------

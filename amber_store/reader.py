@@ -30,6 +30,8 @@ from .storage import storage_errors
 
 # Chunks below this are decoded on the event loop: a thread hop costs more than the work.
 _INLINE_BYTES = 64 << 10
+#: Chunks from this size have their output's pages faulted in at once (:func:`format.populate`).
+_POPULATE_BYTES = 1 << 20
 
 #: A whole-step read fetches each object up to this size with one request; a bigger one is
 #: range-read chunk by chunk, so that its chunks arrive (and decode) concurrently, as s3fs would
@@ -170,6 +172,8 @@ class Reader:
         padded = out.size if packed else int(np.prod(chunks))
         region = fmt.whole(shape) if packed else fmt.chunk_slices(idx, shape, chunks)
         rshape = tuple(r.stop - r.start for r in region)
+        if out.nbytes >= _POPULATE_BYTES:
+            fmt.populate(out)
         for (s, le), payload in zip(layers, payloads):
             if le.encoding == "full":
                 if payload is None:

@@ -8,12 +8,14 @@ import json
 import math
 import pathlib
 import random
+import resource
 
 import numpy as np
 import pytest
 import torch
 
 import amber_store as amber
+from amber_store import format as fmt
 from conftest import assert_bit_equal, assert_tree_bit_equal
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16,
@@ -379,3 +381,18 @@ def test_forced_full_and_forced_delta_override_the_policy(make_store):
     assert store.save(3, {"t": t}).kind == "delta"
     assert store.save(4, {"t": t}, full=False).kind == "delta"
     assert store.save(5, {"t": t}).kind == "full"
+
+
+def test_a_reads_output_memory_is_faulted_in_at_once_and_keeps_what_it_holds():
+    a = fmt.host_empty(8 << 20, np.uint8)  # fresh memory, as a resume's first load writes into
+    fmt.populate(a)
+    if fmt._madvise is False:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a[:] = 7
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 64  # of 2048 pages: they were in
+    b = a[5:-3]  # (pages partly outside it are left alone)
+    b[:] = np.arange(b.size) % 251
+    before = a.copy()
+    fmt.populate(b)
+    assert np.array_equal(a, before)
