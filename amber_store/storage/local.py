@@ -11,8 +11,8 @@ import asyncio
 import mmap
 import os
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import SplitResult
 
