@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterator, TypeVar, Union
 
+import numpy as np
 import torch
 
 from ..format import chunk_runs, to_bits
@@ -19,6 +20,14 @@ T = TypeVar("T")
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def host_floats(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray | None:
+    """``bits`` (a ``dtype`` tensor's raw bits) viewed as the numpy floats a host kernel restores
+    in place, or ``None`` where ``dtype`` is computed in another (float16, bfloat16: torch's code)."""
+    if compute_dtype(dtype) != dtype:
+        return None
+    return bits.view(np.float64 if dtype == torch.float64 else np.float32)
 
 
 #: elements per piece where a temporary of a whole large tensor would cost its page faults

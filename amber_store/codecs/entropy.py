@@ -19,7 +19,7 @@ from ..format import DTYPES, TensorEntry, numpy_to_tensor, round_up, to_bits
 from .ans import ans_decode, ans_encode, decode_codes, encode_codes_many
 from .base import Delta, DeltaCodec, Finish, Shuffle
 from . import device
-from .device import Quantized, by_chunk, compute_dtype, quantize_in_pieces, to_host, unchunk
+from .device import Quantized, by_chunk, compute_dtype, host_floats, quantize_in_pieces, to_host, unchunk
 
 if TYPE_CHECKING:
     from typing import Self
@@ -116,8 +116,9 @@ class CodedDelta(DeltaCodec):
         side, codes, escaped, at = self._parse(raw, padded, out.dtype)
         codes, flat = codes[: out.size], out.reshape(-1)
         dtype = DTYPES[entry.dtype]
-        if compute_dtype(dtype) == dtype:  # (float32, float64) in place, in one pass
-            self._restore_on_host(flat.view(np.float32 if dtype == torch.float32 else np.float64), codes, side)
+        values = host_floats(flat, dtype)
+        if values is not None:  # (float32, float64) in place, in one pass
+            self._restore_on_host(values, codes, side)
         else:
             base = numpy_to_tensor(flat, entry.dtype).to(compute_dtype(dtype))
             flat[...] = to_bits(self._restore(base, torch.from_numpy(codes), side).to(dtype)).numpy().view(out.dtype)

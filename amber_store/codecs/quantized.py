@@ -11,7 +11,7 @@ import torch
 
 from ..format import DTYPES, TensorEntry, bits_numpy_dtype, numpy_to_tensor, region_chunks, to_bits
 from .base import Delta, DeltaCodec, ElementwiseDeltaCodec, Finish, Serializer, Shuffle
-from .device import NonFinite, by_chunk, compute_dtype, quantize_in_pieces, to_host, unchunk
+from .device import NonFinite, by_chunk, compute_dtype, host_floats, quantize_in_pieces, to_host, unchunk
 from .lossless import DiffDeltaCodec
 
 if TYPE_CHECKING:
@@ -123,11 +123,10 @@ class QuantizedDeltaCodec(ElementwiseDeltaCodec):
 
     def apply_into(self, out: np.ndarray, stored: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> None:
         assert entry.params is not None
-        dtype = DTYPES[entry.dtype]
-        if compute_dtype(dtype) == dtype and out.flags.c_contiguous:  # (float32, float64) in place, by a kernel
+        values = host_floats(out, DTYPES[entry.dtype]) if out.flags.c_contiguous else None
+        if values is not None:  # (float32, float64) in place, by a kernel
             from . import kernels
 
-            values = out.view(np.float32 if dtype == torch.float32 else np.float64)
             for flat, _, local in region_chunks(region, tuple(entry.shape), tuple(entry.chunks)):
                 scale = float.fromhex(entry.params["scales"][flat])
                 if scale:  # (a chunk is one contiguous run of its region: its reshape is a view)
