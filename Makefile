@@ -10,7 +10,8 @@ TORCH_INDEX ?=
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml
+# (an editable install builds the native decoder in place: its sources are prerequisites too)
+$(STAMP): pyproject.toml $(wildcard amber_store/codecs/native/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0 $(TORCH_INDEX)
 	$(PY) -m pip install --quiet -e ".[test]"

@@ -21,7 +21,7 @@ from zarr.abc.store import RangeByteRequest
 
 from . import format as fmt
 from . import legacy
-from .codecs import DELTA_ENCODINGS, decompress, scratch
+from .codecs import DELTA_ENCODINGS, decompress, fuses, scratch
 from .errors import CorruptDataError, StepNotFoundError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
 from .history import History
@@ -188,6 +188,9 @@ class Reader:
             if payload is None:
                 continue  # an unchanged chunk: the delta is zero
             codec = DELTA_ENCODINGS[le.encoding].for_entry(le)
+            if not packed and padded == out.size and codec.fused_op and fuses(payload, out, codec.fused_op):
+                self._decompress(payload, out, s, key, idx, codec.fused_op)
+                continue
             if packed:
                 raw = payload
             elif codec.lossless:  # a fixed size: decode into this thread's reused buffer
@@ -202,9 +205,10 @@ class Reader:
             raise self._corrupt(step, key, "checksum mismatch (materialized data differs from what was saved)", idx)
 
     def _decompress(self, payload: Any, into: np.ndarray | None, step: int, key: str,
-                    idx: tuple[int, ...]) -> np.ndarray:
-        """Decompress one stored chunk (into ``into``, which must be its exact size, if given)."""
-        got = decompress(payload, None if into is None else into.view(np.uint8))
+                    idx: tuple[int, ...], op: str = "store") -> np.ndarray:
+        """Decompress one stored chunk (into ``into``, which must be its exact size, if given;
+        or apply it onto ``into`` with ``op``: :func:`~amber_store.codecs.compression.decompress`)."""
+        got = decompress(payload, None if into is None else into if op != "store" else into.view(np.uint8), op)
         if got is None:
             raise self._corrupt(step, key, "stored chunk failed its checksum or decoding", idx)
         return got

@@ -33,7 +33,7 @@ Modules: :mod:`~.base` (the contract), :mod:`~.lossless`, :mod:`~.sparse`, :mod:
 """
 
 from .base import Delta, DeltaCodec, ElementwiseDeltaCodec, Finish, Serializer, Shuffle
-from .compression import Compression, decompress, scratch
+from .compression import Compression, decompress, fuses, scratch
 from .device import to_host
 from .entropy import ESCAPE, AnsBytesCodec, BlockDeltaCodec, CodedDelta, RatioDeltaCodec
 from .lossless import DiffDeltaCodec, LosslessDeltaCodec, XorDeltaCodec
@@ -46,6 +46,6 @@ __all__ = [
     "CodecPolicy", "CodedDelta", "Compression", "Delta", "DeltaCodec", "DiffDeltaCodec", "ElementwiseDeltaCodec",
     "Finish", "LosslessDeltaCodec", "Pack4BytesCodec", "Policy", "QuantizedDeltaCodec", "RatioDeltaCodec",
     "Serializer", "Shuffle", "SparseBytesCodec", "SparseDeltaCodec", "XorDeltaCodec", "codec_named", "decompress",
-    "dequantize", "pack4_decode", "pack4_encode", "scratch", "sparse_decode", "sparse_encode", "sparse_pack",
+    "dequantize", "fuses", "pack4_decode", "pack4_encode", "scratch", "sparse_decode", "sparse_encode", "sparse_pack",
     "to_host",
 ]

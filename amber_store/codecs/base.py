@@ -141,6 +141,9 @@ class DeltaCodec(ArrayArrayCodec, abc.ABC):
     shuffle: ClassVar[Shuffle] = "shuffle"
     # whether serialize() already entropy-codes its output: blosc then only frames it
     entropy_coded: ClassVar[bool] = False
+    # the op of compression.FUSED_OPS equal to apply_into on a chunk's stored elements, which the
+    # native decoder then applies as it decodes them (None: decoded, then applied)
+    fused_op: ClassVar[str | None] = None
 
     def serialize(self, chunk: np.ndarray, side: np.ndarray | None = None, recon: np.ndarray | None = None) -> Any:
         """Bytes-like of one chunk of the stored array (chunk-shaped, C-contiguous), given the

@@ -105,6 +105,7 @@ class DiffDeltaCodec(LosslessDeltaCodec):
     name: ClassVar[str] = "amber.diff_delta"
     encoding: ClassVar[str] = "diff"
     auto_compressor: ClassVar[str] = "lz4"
+    fused_op: ClassVar[str | None] = "unzigzag_add"
 
     def shuffle_for(self, cname: str) -> Shuffle:
         # lz4 has no entropy stage: bit planes give it runs; zstd codes byte planes better
