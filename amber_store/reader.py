@@ -208,7 +208,9 @@ class Reader:
                     idx: tuple[int, ...], op: str = "store") -> np.ndarray:
         """Decompress one stored chunk (into ``into``, which must be its exact size, if given;
         or apply it onto ``into`` with ``op``: :func:`~amber_store.codecs.compression.decompress`)."""
-        got = decompress(payload, None if into is None else into if op != "store" else into.view(np.uint8), op)
+        if into is not None and op == "store":
+            into = into.view(np.uint8)
+        got = decompress(payload, into, op)
         if got is None:
             raise self._corrupt(step, key, "stored chunk failed its checksum or decoding", idx)
         return got

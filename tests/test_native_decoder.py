@@ -107,6 +107,8 @@ def test_frames_it_does_not_take_are_left_to_c_blosc_and_still_decode():
         out = np.empty(v.nbytes if "block" not in what else 4000, np.uint8)
         assert not fuses(chunk, out), what
         assert decompress(chunk, out) is not None, what
+        with pytest.raises(ValueError, match="does not take this chunk"):  # no apply of the wrong elements
+            decompress(chunk, out.view(np.uint32), "unzigzag_add")
     bigger = np.empty(v.nbytes + 64, np.uint8)  # a buffer larger than the chunk: c-blosc fills its front
     assert not fuses(stored(v), bigger)
     assert np.array_equal(decompress(stored(v), bigger)[: v.nbytes].view(np.uint32), v)

@@ -112,8 +112,9 @@ _BLOSC_HEADER = 16
 
 
 #: What the native decoder can do with a chunk's values as it decodes them: store them, or apply
-#: them onto the values ``out`` holds (a codec names its own: ``LosslessDeltaCodec.fused_op``).
-FUSED_OPS = {"store": 0, "unzigzag_add": 1}
+#: them onto the values ``out`` holds (a codec names its own: ``DeltaCodec.fused_op``); each is
+#: the decoder's constant of that name in capitals.
+FUSED_OPS = ("store", "unzigzag_add")
 
 
 def fuses(stored: Any, out: np.ndarray, op: str = "store") -> bool:
@@ -122,8 +123,8 @@ def fuses(stored: Any, out: np.ndarray, op: str = "store") -> bool:
     of large tensors (4-byte elements, bit-shuffled, lz4), on a CPU with AVX-512 VBMI and GFNI.
     It decodes them in one pass per block, against c-blosc's three and numpy's apply: a delta
     step's load in a fresh process takes 0.6x the time (measured: docs/PERFORMANCE.md)."""
-    return (_blosc1 is not None and out.flags.c_contiguous and (op == "store" or out.itemsize == 4)
-            and _blosc1.takes(stored, out.nbytes))
+    return (_blosc1 is not None and op in FUSED_OPS and out.flags.c_contiguous
+            and (op == "store" or out.itemsize == 4) and _blosc1.takes(stored, out.nbytes))
 
 
 def decompress(stored: Any, out: np.ndarray | None = None, op: str = "store") -> np.ndarray | None:
@@ -132,8 +133,8 @@ def decompress(stored: Any, out: np.ndarray | None = None, op: str = "store") ->
     than ``"store"``, apply its values onto ``out``'s instead (only for chunks :func:`fuses`
     takes).
 
-    Returns the uint8 payload (``out`` when given), or ``None`` if the checksum or the decoding
-    failed.
+    Returns the payload (``out`` when given, else uint8), or ``None`` if the checksum or the
+    decoding failed.
     """
     view = memoryview(stored).cast("B")
     if len(view) < _BLOSC_HEADER + 4:
@@ -141,12 +142,14 @@ def decompress(stored: Any, out: np.ndarray | None = None, op: str = "store") ->
     body, tail = view[:-4], view[-4:]
     if crc32c.crc32c(body) != int.from_bytes(tail, "little"):
         return None
-    if out is not None and (op != "store" or fuses(body, out)):
+    if out is not None and fuses(body, out, op):
         try:
-            _blosc1.decode(body, out, FUSED_OPS[op])
+            _blosc1.decode(body, out, getattr(_blosc1, op.upper()))
         except ValueError:
             return None
         return out
+    if op != "store":
+        raise ValueError(f"the native decoder applies {op!r}, and it does not take this chunk (see fuses)")
     try:
         if out is None:
             return np.frombuffer(blosc.decompress(body), dtype=np.uint8)
