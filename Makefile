@@ -35,4 +35,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) amber-demo .pytest_cache backends/node/node_modules
+	rm -rf $(VENV) amber-demo amber-demo-lossy .pytest_cache backends/node/node_modules

@@ -23,6 +23,7 @@ from .errors import (
     StepOrderError,
     StorageAccessError,
     UnsafeStorageError,
+    StateMismatchError,
     UnsafeValueError,
     UnsupportedStateError,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "StepOrderError",
     "StorageAccessError",
     "UnsafeStorageError",
+    "StateMismatchError",
     "UnsafeValueError",
     "Store",
     "UnsupportedStateError",

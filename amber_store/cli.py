@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,11 +25,18 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     return opts or None
 
 
+#: stores and histories a command opened: closed before the process exits, so that no client
+#: session is left to be torn down half-way at exit ("Unclosed client session")
+_OPENED: list[Any] = []
+
+
 def _open(args: argparse.Namespace, mode: str = "r") -> Any:
     import amber_store as amber
 
-    return amber.open(args.uri, _storage_options(args), mode=mode, progress=_progress(args),
-                      single_writer=args.single_writer)
+    store = amber.open(args.uri, _storage_options(args), mode=mode, progress=_progress(args),
+                       single_writer=args.single_writer)
+    _OPENED.append(store)
+    return store
 
 
 def _progress(args: argparse.Namespace) -> bool:
@@ -42,6 +50,7 @@ def _history(args: argparse.Namespace) -> Any:
     from .storage import connect
 
     history = History(connect(args.uri, _storage_options(args), read_only=True))
+    _OPENED.append(history)
     _sync(history.require_root())
     return history
 
@@ -89,7 +98,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{r['step']:>10} {r['kind']:>5} {base:>10} {r['created']:>19} {_human(r['nbytes_raw']):>10} "
               f"{_human(r['nbytes_stored']):>10} {ratio:>8} {r['tensors']:>7}  {','.join(r['pins'])}")
     stray = _sync(history.uncommitted())
-    if stray["attempts"]:
+    if stray["attempts"] or stray["uploads"]:
         print(_strays(args, stray))
     return 0
 
@@ -99,8 +108,10 @@ def _strays(args: argparse.Namespace, stray: dict[str, int]) -> str:
     died: :meth:`History.uncommitted`), and what removes it."""
     young = stray["maybe_saving"]
     note = f"; {young} of them may be a save in progress (gc spares those for an hour)" if young else ""
+    uploads = (f"; {stray['uploads']} upload(s) in parts never completed (billed, not listed), which gc aborts "
+               "once an hour old" if stray["uploads"] else "")
     return (f"uncommitted: {stray['attempts']} attempt(s) no committed step uses hold {_human(stray['bytes'])}, which "
-            f"`amber-store gc {args.uri}` deletes{note}")
+            f"`amber-store gc {args.uri}` deletes{note}{uploads}")
 
 
 def _iso(t: float) -> str:
@@ -174,6 +185,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     print(f"{verb} fold {len(report.rewrite)} kept step(s) off deleted ones: {report.rewrite}"
           + (f" ({_human(report.bytes_written)} written)" if not args.dry_run else ""))
     print(f"{verb} remove {len(report.orphans)} unreferenced object(s)")
+    if report.uploads:
+        print(f"{verb} abort {len(report.uploads)} upload(s) in parts never completed: {report.uploads}")
     if report.spared:
         print(f"spared {len(report.spared)} attempt(s) younger than --grace {grace:g} s, of steps newer than the "
               "latest: a save may still be writing them (once none runs, --grace 0 removes them)")
@@ -238,7 +251,7 @@ def cmd_du(args: argparse.Namespace) -> int:
           f"({_human(fp['allocated'])} allocated)")
     print("by group: " + ", ".join(f"{g} {_human(b)}" for g, b in sorted(du["groups"].items())))
     stray = du["uncommitted"]
-    if stray["attempts"]:
+    if stray["attempts"] or stray["uploads"]:
         print(_strays(args, stray))
     for step, b in du["steps"].items():
         print(f"{step:>10} {_human(b):>10}")
@@ -252,7 +265,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   force=args.force)
     if args.json:
         print(json.dumps(summary, indent=1))
-    return 0 if summary["verified"] else 1
+    return 0 if summary["verified"] and summary["resume_bit_identical"] else 1
 
 
 def parser() -> argparse.ArgumentParser:
@@ -281,10 +294,10 @@ def parser() -> argparse.ArgumentParser:
 
     add("ls", "list committed steps with kind, base and bytes").set_defaults(func=cmd_ls)
     sp = add("info", "per-tensor table of one step")
-    sp.add_argument("step", type=int, nargs="?", help="default: the latest")
+    sp.add_argument("step", type=int, nargs="?", help="the step to describe (default: the latest)")
     sp.set_defaults(func=cmd_info)
     sp = add("verify", "read every chunk and check its checksum; exit 1 on any damage")
-    sp.add_argument("step", type=int, nargs="?", help="one step (default: all)")
+    sp.add_argument("step", type=int, nargs="?", help="the step to verify (default: every step)")
     sp.set_defaults(func=cmd_verify)
     sp = add("gc", "delete steps outside a retention policy, folding kept steps off them; remove orphans")
     sp.add_argument("--keep-last", type=int, help="keep the newest N steps (default: keep all, only sweep orphans)")
@@ -294,35 +307,37 @@ def parser() -> argparse.ArgumentParser:
                     help="spare uncommitted data newer than the latest step younger than this (default: an hour)")
     sp.set_defaults(func=cmd_gc)
     sp = add("rm", "delete one step; steps that read its data are folded off it first")
-    sp.add_argument("step", type=int)
+    sp.add_argument("step", type=int, help="the committed step to delete")
     sp.add_argument("--dry-run", action="store_true", help="report what would happen, change nothing")
     sp.set_defaults(func=cmd_rm)
     sp = add("pin", "pin STEP under NAME so gc keeps it (no STEP: unpin NAME); prints the pins")
-    sp.add_argument("name")
-    sp.add_argument("step", type=int, nargs="?")
+    sp.add_argument("name", help="the pin's name (letters, digits, '_', '.', '-')")
+    sp.add_argument("step", type=int, nargs="?", help="the step to pin (none: remove the pin NAME)")
     sp.set_defaults(func=cmd_pin)
     add("pins", "list the pins (name: step)").set_defaults(func=cmd_pins)
     sp = add("export", "write a step as .safetensors (model tensors) or a torch.save file (.pt)")
-    sp.add_argument("step", type=int)
-    sp.add_argument("out")
+    sp.add_argument("step", type=int, help="the committed step to export")
+    sp.add_argument("out", help="the file to write (.safetensors, or .pt for torch.save)")
     sp.add_argument("--format", choices=["safetensors", "torch"], help="default: from OUT's suffix")
     sp.add_argument("--subtree", help="safetensors: the part of the state to export (default: model)")
     sp.set_defaults(func=cmd_export)
     sp = add("import", "save a torch.save or safetensors file, or a torch.distributed.checkpoint directory "
                        "(FileSystemWriter's; it stays loadable by dcp.load on any number of ranks), as a full step")
-    sp.add_argument("step", type=int)
-    sp.add_argument("input")
+    sp.add_argument("step", type=int, help="the step to save it as (newer than the latest)")
+    sp.add_argument("input", help="a .pt/.pth/.bin (torch.save), .safetensors file, or a DCP checkpoint directory")
     sp.add_argument("--format", choices=["safetensors", "torch"], help="a file's format (default: from INPUT's suffix)")
     sp.add_argument("--subtree", help="safetensors: put the tensors under this part of the state (default: the "
                                       "subtree the file was exported from, else the top level; '' for the top)")
     sp.set_defaults(func=cmd_import)
     add("du", "stored bytes by step and by top-level group (model, optim, ...)").set_defaults(func=cmd_du)
-    sp = add("demo", "train a small GPT on CPU, checkpoint it, verify a historical step", uri=False)
+    sp = add("demo", "train a small GPT on CPU and checkpoint it two ways, the lossless default and the lossy "
+                     "preset, side by side: bytes against torch.save, a historical step opened lazily, and a resume "
+                     "from each (exit 1 unless the lossless one is bit-exact)", uri=False)
     sp.add_argument("--uri", default="./amber-demo",
-                    help="where to checkpoint (default ./amber-demo); an earlier demo's store there is wiped first, "
-                         "any other store only with --force")
+                    help="where to checkpoint (default ./amber-demo; the lossy store goes beside it, URI-lossy); an "
+                         "earlier demo's stores there are wiped first, any other store only with --force")
     sp.add_argument("--force", action="store_true", help="wipe the amber-store at --uri even if not the demo's")
-    sp.add_argument("--steps", type=int, default=300)
+    sp.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     sp.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     sp.add_argument("--full-every", type=int, default=10, help="a full step every N checkpoints")
     sp.set_defaults(func=cmd_demo)
@@ -344,6 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # when Python flushes stdout again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        while _OPENED:
+            with contextlib.suppress(Exception):
+                _OPENED.pop().close()
 
 
 if __name__ == "__main__":

@@ -255,9 +255,11 @@ class AmberStorageWriter(StorageWriter):
         extra: dict[str, Any] = {"dcp": {"state": shards.to_json(layout)}}
         if self.metrics:
             extra["metrics"] = self.metrics
+        # Once sent, a commit's outcome is the commit's to settle, as in Store.save: if its answer
+        # is lost, the manifest may have landed, so the next save must not discard its attempt.
+        held.unfinished = None
         self.last_commit = sync(writer.commit(decision, written, layout.tree, created, time.perf_counter() - t0,
                                               extra))
-        held.unfinished = None
         held.promote()
         if self.after is not None:
             self.after(self.last_commit)
@@ -424,17 +426,39 @@ def _looks_like_uri(checkpoint_id: str | os.PathLike[str]) -> bool:
     return "://" in text or os.path.isabs(text) or text.startswith(".")
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads the DCP ``Metadata`` that format-8 steps pickled beside them, resolving only the
+    classes and functions such metadata is made of (torch's weights-only unpickler does not take
+    the protocol it was written with): a crafted object naming anything else is refused, so
+    nothing runs but these constructors."""
+
+    ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+        ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
+
+
 class AmberStorageReader(StorageReader):
     """A DCP StorageReader for a step saved by :class:`AmberStorageWriter` (``step=None``: latest).
 
-    Each rank reads only the regions of the stored shards that its own state dict needs.
+    Each rank reads only the regions of the stored shards that its own state dict needs. Saved
+    Python values are read with ``weights_only=True`` before DCP's planner sees them, so that
+    ``dcp.load`` through this reader never runs code stored with them: one that needs more
+    raises :class:`UnsafeValueError`, unless ``allow_pickle=True`` (a store trusted as its
+    writer's code would be; docs/SECURITY.md).
     """
 
     def __init__(self, uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
-                 step: int | None = None, **options: Any) -> None:
+                 step: int | None = None, allow_pickle: bool = False, **options: Any) -> None:
         super().__init__()
         self.uri = os.fspath(uri)
         self.storage_options = storage_options
+        self.allow_pickle = allow_pickle
         self.options = options
         self.step = self._step = step
         self._store: Store | None = None
@@ -462,8 +486,12 @@ class AmberStorageReader(StorageReader):
         if raw is None:
             raise CorruptDataError(f"{store.uri}: step {step}: DCP metadata is missing", step=step,
                                    tensor="dcp.metadata")
-        metadata: Metadata = pickle.loads(raw.to_bytes())
-        return metadata
+        try:
+            return _MetadataUnpickler(io.BytesIO(raw.to_bytes())).load()
+        except Exception as e:  # a refused global, or bytes that are no pickle
+            raise CorruptDataError(f"{store.uri}: step {step}: its DCP metadata ({dcp_info['metadata']}) is not "
+                                   f"DCP metadata that reads without running code ({type(e).__name__}: {e})",
+                                   step=step, tensor="dcp.metadata") from None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._keys = dict(metadata.storage_data or {})
@@ -490,7 +518,7 @@ class AmberStorageReader(StorageReader):
 
         for (req, lt), tensor in zip(wanted, sync(read_all())):
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(tensor.numpy().tobytes()))
+                planner.load_bytes(req, self._safe_bytes(req.dest_index.fqn, tensor.numpy(), lt))
                 continue
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
@@ -504,6 +532,18 @@ class AmberStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _looks_like_uri(checkpoint_id)
+
+    def _safe_bytes(self, fqn: str, raw: Any, lt: LazyTensor) -> io.BytesIO:
+        """A saved value's bytes as DCP's planner may unpickle them (its default planner does so
+        with ``weights_only=False``): the value read with ``weights_only=True`` and saved again,
+        so that what the planner unpickles was made here, from allow-listed types only."""
+        if self.allow_pickle:
+            return io.BytesIO(raw.tobytes())
+        assert self.step is not None
+        out = io.BytesIO()
+        torch.save(shards.value(raw, self.step, fqn, lt.key), out)
+        out.seek(0)
+        return out
 
     def _open(self) -> Store:
         if self._store is None:

@@ -66,6 +66,17 @@ class UnsupportedStateError(AmberError, TypeError):
     """The state dict holds a value (leaf type or dtype) that amber-store cannot store exactly."""
 
 
+class StateMismatchError(AmberError, ValueError):
+    """A load ``into=`` a state whose tensors do not match the step's: ``missing`` (places of
+    ``into`` the step has no tensor at) and ``unexpected`` (the step's tensors, under the parts
+    of the state ``into`` names, that ``into`` has no place for). Nothing was read."""
+
+    def __init__(self, message: str, *, missing: list[str], unexpected: list[str]):
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
+
+
 class UnsafeValueError(AmberError):
     """A stored Python value (of a sharded step) cannot be read without running code stored
     with it, which loading never does."""

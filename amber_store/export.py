@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import UnsupportedStateError
+from .errors import StorageAccessError, UnsupportedStateError
 from .lazy import materialize
 
 Format = Literal["safetensors", "torch"]
@@ -62,6 +62,8 @@ def export(state: Any, step: int, path: str | os.PathLike[str], *, format: Forma
     ``model.load_state_dict(load_file(path))`` works."""
     fmt_ = file_format(path, format)
     path = Path(path)
+    if not path.parent.is_dir():  # (before anything is read)
+        raise StorageAccessError(f"{path}: cannot export there: {path.parent} is not a directory")
     if fmt_ == "torch":
         torch.save(materialize(state), path)
         return path
@@ -71,6 +73,9 @@ def export(state: Any, step: int, path: str | os.PathLike[str], *, format: Forma
     if subtree is None and isinstance(node, Mapping) and "model" in node:
         subtree = "model"
     for part in subtree.split("/") if subtree else []:
+        if not isinstance(node, Mapping) or part not in node:
+            have = ", ".join(map(repr, list(node)[:10])) if isinstance(node, Mapping) else type(node).__name__
+            raise UnsupportedStateError(f"step {step}: no {part!r} in the state to export (there: {have})")
         node = node[part]
     tensors = untied(flat_tensors(materialize(node)))
     if not tensors:

@@ -48,6 +48,7 @@ FORMAT_NAME = "amber-store"
 FORMAT_VERSION = 9
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
+CLAIMS_DIR = "claims"
 STEPS_DIR = "steps"
 #: Chunk size of tensors with a lossless codec, unless a store names one.
 #: Every chunk costs a reader or writer a few calls that each take the GIL; on 16 cores, a
@@ -83,6 +84,12 @@ SERIALIZERS: dict[str, int] = {"amber.sparse": 2, "amber.pack4": 2, "amber.ans":
 def commit_key(step: int) -> str:
     """Key of a step's manifest: the commit point. Zero-padded so listings sort by step."""
     return f"{COMMITS_DIR}/{step:012d}.json"
+
+
+def claim_key(parent: int | None, n: int) -> str:
+    """Key of the ``n``-th claim of ``parent`` as a new step's base (``None``: the first step of a
+    store): created exclusively before a commit, so that one writer builds on each step."""
+    return f"{CLAIMS_DIR}/{'start' if parent is None else f'{parent:012d}'}-{n}.json"
 
 
 def parse_commit_key(name: str) -> int | None:
@@ -420,8 +427,16 @@ def _npy(array: np.ndarray) -> str:
 
 
 def _from_npy(text: str) -> np.ndarray:
+    raw = base64.b64decode(text)
     try:
-        return np.lib.format.read_array(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+        buf = io.BytesIO(raw)
+        version = np.lib.format.read_magic(buf)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(buf)
+        # (numpy allocates what the header says before it reads: a crafted header asks for terabytes)
+        if dtype.itemsize * math.prod(shape) > len(raw) - buf.tell():
+            raise ValueError(f"its header's shape {shape} holds more than its {len(raw)} bytes")
+        return np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
     except ValueError as e:  # e.g. an object array, which only pickle could make: never loaded
         raise CorruptDataError(f"a numpy value in the state tree cannot be read safely ({e})") from e
 
@@ -709,7 +724,10 @@ def unflatten(tree: dict[str, Any], leaf: Callable[[str], Any], mapping: Callabl
     if kind == "ndarray":
         return leaf(body).numpy()  # a LazyTensor reads itself here
     if kind in _LEAVES:
-        return _LEAVES[kind](body)
+        try:
+            return _LEAVES[kind](body)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # a store is untrusted input
+            raise CorruptDataError(f"a {kind} value in the state tree is malformed ({type(e).__name__}: {e})") from None
     # A node kind of a newer format must never be read as a plain value.
     raise FormatVersionError(f"unknown state tree node {kind!r}: written by a newer amber-store; upgrade amber-store")
 
@@ -828,9 +846,3 @@ class Manifest:
         d = {**vars(self), "tensors": {k: {f: v for f, v in vars(e).items() if v is not None or f not in _OPTIONAL}
                                        for k, e in self.tensors.items()}}
         return json.dumps(d, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> "Manifest":
-        d = json.loads(data)
-        d["tensors"] = {k: TensorEntry(**v) for k, v in d["tensors"].items()}
-        return cls(**d)

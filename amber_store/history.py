@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import numbers
 import re
 import time
 import uuid
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import format as fmt
-from . import shards
+from . import shards, validation
 from .errors import (ConcurrentWriterError, CorruptDataError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError,
                      StepNotFoundError, StepOrderError, StorageAccessError)
 from .format import Manifest, TensorEntry
@@ -77,6 +78,12 @@ MANIFEST_CACHE = 32
 
 #: an attempt group's name under ``steps/``: the step, then the attempt
 GROUP_NAME = re.compile(r"(\d{12})-[0-9a-f]+")
+#: how old a claim (:meth:`History._claim`) whose step is not committed must be before later
+#: writers take it for that of a writer that died committing: its manifest follows the claim at
+#: once, within the backend's ``put_timeout``
+CLAIM_GRACE_SECONDS = 180.0
+#: claims of one parent step tried before a commit gives up
+MAX_CLAIMS = 100
 #: how old an attempt of a step newer than the latest commit must be before it is taken for
 #: the remains of a dead save, rather than a save in progress (gc's ``grace_seconds``)
 GRACE_SECONDS = 3600.0
@@ -162,27 +169,37 @@ class History:
         await self.backend.put_object("zarr.json", [json_bytes(fmt.group_metadata({fmt.ROOT_ATTR: root}))])
         await self.backend.put_object(f"{fmt.STEPS_DIR}/zarr.json", [json_bytes(fmt.group_metadata())])
 
-    async def initialize(self, mode: str, exclusive_commits: bool) -> int:
-        """Open the store in ``mode`` (``"r"``, ``"a"`` or ``"w"``: wipe, then create): its root's
-        format version, after creating the root where there is none. With
-        ``exclusive_commits``, a writable store's backend must keep two writers from both
-        committing one step (:meth:`Backend.require_conditional_writes`)."""
+    async def initialize(self, mode: str, exclusive_commits: bool) -> int | None:
+        """Open the store in ``mode`` (``"r"``, ``"a"`` or ``"w"``: wipe what is there): its
+        root's format version, ``None`` where no store is yet (a writable open creates nothing:
+        the first save does, :meth:`create`, so a mistyped path leaves nothing behind). Refuses
+        a location holding other data. With ``exclusive_commits``, an existing store's backend
+        must keep two writers from both committing one step
+        (:meth:`Backend.require_conditional_writes`)."""
         if mode == "r":
             return await self.require_root()
         version = await self.root_version()
-        if version is None or mode == "w":
-            if version is not None:  # mode "w": only ever wipe what is recognisably ours
-                await self.backend.delete_dir("")
+        if version is not None and mode == "w":  # only ever wipe what is recognisably ours
+            await self.backend.delete_dir("")
+            version = None
+        if version is None:
             if not await self.backend.is_empty():
                 raise NotAnAmberStoreError(f"{self.uri}: not empty and not an amber-store ({await self._what_is_here()}); "
                                            "refusing to write into it")
-            await self.write_root()
-            version = fmt.FORMAT_VERSION
+            return None
         if exclusive_commits:
             # Only once the store holds its root: some servers (SeaweedFS) leave an empty
             # folder marker behind the deleted probe object.
             await self.backend.require_conditional_writes()
         return version
+
+    async def create(self, exclusive_commits: bool) -> int:
+        """Make the store exist (its first save): the root, then the conditional-write check
+        :meth:`initialize` left for this moment. Returns the format version written."""
+        await self.write_root()
+        if exclusive_commits:
+            await self.backend.require_conditional_writes()
+        return fmt.FORMAT_VERSION
 
     def close(self) -> None:
         """Drop cached manifests and close the storage client's connections (a later request
@@ -205,6 +222,11 @@ class History:
         return sorted(s for s in map(fmt.parse_commit_key, names) if s is not None)
 
     async def manifest(self, step: int) -> Manifest:
+        if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
+            # (a step from a command line or a config file, say "50")
+            raise StepNotFoundError(f"{self.uri}: {step!r} is not a step: steps are non-negative ints"
+                                    + (f" (int({step!r}) is {int(step)})" if isinstance(step, str) and step.isdigit() else ""))
+        step = int(step)
         fut = self._manifests.get(step)
         if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
             self._manifests.move_to_end(step)
@@ -225,14 +247,21 @@ class History:
             known = await self.steps()
             hint = f"committed steps: {known[:5]}{'...' if len(known) > 5 else ''}" if known else "the store is empty"
             raise StepNotFoundError(f"{self.uri}: step {step} is not committed ({hint})")
-        data = raw.to_bytes()
-        try:
-            m = Manifest.from_json(data)
-        except (ValueError, KeyError, TypeError) as e:  # an empty or truncated commit object
-            raise CorruptDataError(f"{self.uri}: the manifest of step {step} ({fmt.commit_key(step)}, "
-                                   f"{len(data)} bytes) is unreadable: {type(e).__name__}: {e}", step=step) from None
-        self.check_version(m.format_version)
+        m = self._parse(step, raw.to_bytes())
         self._fit_cache(m)
+        return m
+
+    def _parse(self, step: int, data: bytes) -> Manifest:
+        """The manifest of ``step`` in ``data``, checked before use (:mod:`amber_store.validation`)."""
+        try:
+            m = validation.parse_manifest(data)
+        except FormatVersionError as e:
+            raise FormatVersionError(f"{self.uri}: step {step} {e}") from None
+        except validation.Invalid as e:  # an empty, truncated or crafted commit object
+            raise validation.corrupt(self.uri, step, fmt.commit_key(step), data, e) from None
+        if m.step != step:
+            raise validation.corrupt(self.uri, step, fmt.commit_key(step), data,
+                                     validation.Invalid(f"it names step {m.step}"))
         return m
 
     def remember(self, manifest: Manifest) -> None:
@@ -275,7 +304,7 @@ class History:
             return None
         if e.encoding == "same":
             assert e.base is not None
-            return e.base, (await self.manifest(e.base)).tensors[key]
+            return e.base, await self._entry(e.base, key, step)
         return step, e
 
     async def chain(self, step: int, key: str) -> list[tuple[int, TensorEntry]]:
@@ -288,8 +317,14 @@ class History:
                 layers.append((step, e))
             if e.encoding == "full" or e.base is None:
                 return layers[::-1]
-            step = e.base
-            e = (await self.manifest(step)).tensors[key]
+            e, step = await self._entry(e.base, key, step), e.base
+
+    async def _entry(self, base: int, key: str, step: int) -> TensorEntry:
+        """``key``'s entry in step ``base``, which step ``step`` names as its base."""
+        e = (await self.manifest(base)).tensors.get(key)
+        if e is None:
+            raise CorruptDataError.at(self.uri, step, key, f"its base step {base} has no such tensor")
+        return e
 
     async def dependencies(self, step: int, key: str) -> list[int]:
         """Steps whose data is read to materialize ``key`` at ``step``, oldest first."""
@@ -347,6 +382,7 @@ class History:
                 f"{self.uri}: step {now}, whose commit by this writer had got no answer in time, landed "
                 f"while step {manifest.step} was being saved; step {manifest.step} is not newer and was not committed"
             )
+        await self._claim(manifest, now)
         key = fmt.commit_key(manifest.step)
         if not await self.backend.put_if_absent(key, manifest.to_json()) and not await self._is_ours(key, manifest):
             raise ConcurrentWriterError(
@@ -354,11 +390,45 @@ class History:
                 f"(attempt {manifest.attempt}) was not committed and its data is orphaned"
             )
 
+    async def _claim(self, manifest: Manifest, parent: int | None) -> None:
+        """Claim ``parent`` (the newest committed step, ``None`` in an empty store) as the step
+        ``manifest`` builds on, by an exclusive create: of two writers that both listed the same
+        latest step, exactly one commits; the other's commit raises
+        :class:`ConcurrentWriterError`. A claim whose step never landed (its writer died between
+        the claim and the manifest, or its step was deleted since) is passed over, to the next
+        claim of that parent; so is one of this writer's own."""
+        mine = {"step": manifest.step, "attempt": manifest.attempt, "writer": manifest.writer,
+                "group": manifest.group, "time": time.time()}
+        for n in range(MAX_CLAIMS):
+            key = fmt.claim_key(parent, n)
+            if await self.backend.put_if_absent(key, json_bytes(mine)):
+                return
+            raw = await self.backend.get(key)
+            other = _claim_of(raw.to_bytes()) if raw is not None else None
+            if other is None or other["attempt"] == manifest.attempt:
+                return  # (our own, its answer lost and the request retried; or unreadable: the commit decides)
+            # (this writer's own earlier claim: a commit that failed or lost its answer; one
+            # writer saves one step at a time, so it is no rival)
+            if other["writer"] != manifest.writer and not await self._dead(other):
+                raise ConcurrentWriterError(
+                    f"{self.uri}: step {other['step']} (writer {other['writer']}) was saved on step {parent} "
+                    f"while step {manifest.step} was: two jobs are writing one store; step {manifest.step} was not "
+                    "committed")
+        raise ConcurrentWriterError(f"{self.uri}: {MAX_CLAIMS} abandoned commits of steps after step {parent}: "
+                                    "too many writers died committing; this save was not committed")
+
+    async def _dead(self, claim: dict[str, Any]) -> bool:
+        """Whether a claim's commit never landed and never will: its step is not committed, and its
+        attempt is gone (deleted) or the claim is older than :data:`CLAIM_GRACE_SECONDS`."""
+        if await self.backend.exists(fmt.commit_key(claim["step"])):
+            return False
+        return await self.created(claim["group"]) is None or time.time() - claim["time"] > CLAIM_GRACE_SECONDS
+
     async def _is_ours(self, key: str, manifest: Manifest) -> bool:
         """Whether an existing commit object is this very attempt (a retried request that had
         in fact succeeded before its connection failed)."""
         raw = await self.backend.get(key)
-        return raw is not None and Manifest.from_json(raw.to_bytes()).attempt == manifest.attempt
+        return raw is not None and self._parse(manifest.step, raw.to_bytes()).attempt == manifest.attempt
 
     async def check_sole_writer(self, latest: int | None) -> None:
         """Refuse to save once another writer has committed after this one.
@@ -495,10 +565,13 @@ class History:
 
     async def uncommitted(self) -> dict[str, int]:
         """What :meth:`stray_attempts` hold: ``attempts``, how many of them ``maybe_saving``,
-        and their ``bytes``."""
+        and their ``bytes``; and ``uploads``, the uploads in parts begun and never completed
+        (:meth:`Backend.incomplete_uploads`: a killed process's, billed until gc aborts them)."""
         strays = await self.stray_attempts()
+        with storage_errors(self.uri, "listing incomplete uploads"):
+            uploads = await self.backend.incomplete_uploads()
         return {"attempts": len(strays), "maybe_saving": sum(a.maybe_saving for a in strays),
-                "bytes": sum(await gather(self.attempt_bytes(a.group) for a in strays))}
+                "bytes": sum(await gather(self.attempt_bytes(a.group) for a in strays)), "uploads": len(uploads)}
 
     async def created(self, group: str) -> float | bool | None:
         """When an attempt group was created, from its zarr.json: ``None`` without one,
@@ -577,6 +650,18 @@ def _full_in_delta(e: TensorEntry, was: TensorEntry | None, base: Manifest | Non
     if folded is not None and folded["group"] in f"{e.array} {e.pack}":
         return f"stored full by gc, which deleted step(s) {folded['from']} of its chain"
     return f"stored full: its delta against base step {base.step} no longer paid (full_above)"
+
+
+def _claim_of(data: bytes) -> dict[str, Any] | None:
+    """A claim object's fields, checked (another writer's: untrusted); ``None`` if unreadable."""
+    try:
+        claim = json.loads(data)
+        validation.check_key(claim["group"], f"{fmt.STEPS_DIR}/")
+        ok = (isinstance(claim["step"], int) and isinstance(claim["attempt"], str) and isinstance(claim["time"], (int, float))
+              and isinstance(claim["writer"], str))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return claim if ok else None
 
 
 def pin_key(name: str) -> str:

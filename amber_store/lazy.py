@@ -14,6 +14,7 @@ import copy
 import math
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -298,15 +299,32 @@ class LazyStateDict(Mapping[Any, Any]):
         return materialize(self, device)
 
 
-def destinations(obj: Any, into: Any) -> dict[int, list[torch.Tensor]]:
+@dataclass
+class Destinations:
+    """Where :func:`materialize` puts each tensor of a load ``into=`` a state tree
+    (:func:`destinations`), and where the two trees do not match."""
+
+    #: the LazyTensor's id -> the tensors of ``into`` at its place
+    tensors: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    #: places of ``into`` holding a tensor where the step has none
+    missing: list[str] = field(default_factory=list)
+    #: places of the step holding a tensor, under a part of the state ``into`` names, where
+    #: ``into`` has none
+    unexpected: list[str] = field(default_factory=list)
+
+
+def destinations(obj: Any, into: Any) -> Destinations:
     """The tensors of ``into``, a state tree of the loaded one's form (``model.state_dict()``, a
     dict of them), that :func:`materialize` fills in place, by the id of the LazyTensor at the
     same place in ``obj``: a CPU tensor that :meth:`LazyTensor.fits` is decoded into, any other
-    copied into (on its device). Places that ``into`` lacks, or holds no tensor at, are read
-    into new tensors (tied ones: every destination). Raises ValueError, before anything is read,
-    for a tensor of another shape or dtype. A read that fails midway leaves its destination
-    partly written."""
-    found: dict[int, list[torch.Tensor]] = {}
+    copied into (on its device); and the places where the trees differ (``missing``,
+    ``unexpected``: places that ``into`` lacks are read into new tensors). Raises ValueError,
+    before anything is read, for a tensor of another shape or dtype. A read that fails midway
+    leaves its destination partly written."""
+    out = Destinations()
+
+    def at(path: str, k: Any) -> str:
+        return f"{path}.{k}" if path else str(k)
 
     def walk(o: Any, i: Any, path: str) -> None:
         if isinstance(o, LazyTensor):
@@ -314,18 +332,43 @@ def destinations(obj: Any, into: Any) -> dict[int, list[torch.Tensor]]:
                 if tuple(i.shape) != o._shape or i.dtype != o.dtype:
                     raise ValueError(f"into[{path}] is {i.dtype} {tuple(i.shape)}; step {o.step} holds "
                                      f"{o.dtype} {o._shape} there")
-                found.setdefault(id(o), []).append(i)
+                out.tensors.setdefault(id(o), []).append(i)
+            else:
+                out.unexpected.append(path)
+        elif isinstance(i, torch.Tensor):
+            out.missing.append(path)
         elif isinstance(o, (LazyStateDict, dict)) and isinstance(i, Mapping):
+            # (the top level's other parts are not asked for: {"model": ...} loads the model; a
+            # top level of tensors, a bare model.state_dict(), is a part like any other)
+            named = bool(path) or any(isinstance(w, torch.Tensor) for w in i.values())
             for k, v in o.items():
                 if k in i:
-                    walk(v, i[k], f"{path}.{k}" if path else str(k))
+                    walk(v, i[k], at(path, k))
+                elif named:
+                    out.unexpected += [at(path, k) + p for p in _tensor_places(v)]
+            for k, w in i.items():
+                if k not in o:
+                    out.missing += [at(path, k) + p for p in _tensor_places(w)]
         elif type(o) in (list, tuple) and isinstance(i, (list, tuple)):
             for n, (v, w) in enumerate(zip(o, i)):
                 walk(v, w, f"{path}[{n}]")
+            out.unexpected += [f"{path}[{n}]" + p for n in range(len(i), len(o)) for p in _tensor_places(o[n])]
+            out.missing += [f"{path}[{n}]" + p for n in range(len(o), len(i)) for p in _tensor_places(i[n])]
 
     if into is not None:
         walk(obj, into, "")
-    return found
+    return out
+
+
+def _tensor_places(obj: Any) -> list[str]:
+    """The places of tensors (lazy or not) below ``obj``, relative to it ('' for ``obj`` itself)."""
+    if isinstance(obj, (LazyTensor, torch.Tensor)):
+        return [""]
+    if isinstance(obj, (LazyStateDict, Mapping)):
+        return [f".{k}{p}" for k, v in obj.items() for p in _tensor_places(v)]
+    if type(obj) in (list, tuple):
+        return [f"[{n}]{p}" for n, v in enumerate(obj) for p in _tensor_places(v)]
+    return []
 
 
 def _copy_into(tos: list[torch.Tensor], t: torch.Tensor) -> None:
@@ -350,14 +393,15 @@ def _lazy_leaves(obj: Any) -> Iterator[LazyTensor]:
 
 
 def materialize(obj: Any, device: torch.device | str | None = None, *, damaged: dict[str, str] | None = None,
-                into: Any = None) -> Any:
+                into: Destinations | None = None) -> Any:
     """Replace every :class:`LazyTensor` in a tree by its tensor; containers become plain.
 
     ``damaged``: if given, a tensor whose stored data is damaged (:class:`CorruptDataError`)
     is left out (its dict key dropped, its list or tuple item ``None``) and recorded here, key
-    -> error, instead of failing the whole read. ``into``: see :func:`destinations`."""
+    -> error, instead of failing the whole read. ``into``: the tensors to fill in place
+    (:func:`destinations`)."""
     leaves = list({id(lt): lt for lt in _lazy_leaves(obj)}.values())  # tied weights: read once
-    dest = destinations(obj, into)
+    dest = {} if into is None else into.tensors
 
     target = None if device is None else torch.device(device)
     # An accelerator's copies run on a thread of their own, each as soon as its tensor is decoded:

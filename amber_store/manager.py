@@ -13,15 +13,18 @@ makes the same calls; saves go through torch.distributed.checkpoint (:mod:`amber
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import Any, Callable, Literal, Mapping
 
 import torch
 
 from . import retention
-from .errors import AmberError, AsyncSaveError
+from .errors import AmberError, AsyncSaveError, warn
 from .lazy import materialize
-from .store import CommitInfo, Store, open
+from .store import CommitInfo, Store, _first_rank, open
+
+_log = logging.getLogger("amber_store")
 
 
 class CheckpointManager:
@@ -84,20 +87,15 @@ class CheckpointManager:
         self._pending_step: int | None = None
         # The store DCP saves go through in this process (one writer identity for all of them).
         # The coordinator opens it first, creating it if need be; ranks opening a new store at
-        # once would find each other's half-written root.
-        failure: list[str | None] = [None]
-        if dist.get_rank() == 0:
-            try:
-                self.store = dcp._process(uri, storage_options, options).store
-            except Exception as e:
-                failure[0] = f"{type(e).__name__}: {e}"
-                dist.broadcast_object_list(failure, src=0)
-                raise
-        dist.broadcast_object_list(failure, src=0)
-        if failure[0] is not None:
-            raise AmberError(f"{uri}: the coordinator (rank 0) could not open the store: {failure[0]}")
-        if dist.get_rank() != 0:
+        # once would find each other's half-written root. Every rank learns of every rank's
+        # failure (an interrupt included), so that none waits for a collective that never comes.
+        def open_here() -> None:
             self.store = dcp._process(uri, storage_options, options).store
+
+        rank = dist.get_rank()
+        _together(lambda: open_here() if rank == 0 else None, src=0, what=f"{uri}: the coordinator (rank 0) "
+                  "could not open the store")
+        _together(lambda: open_here() if rank != 0 else None, src=None, what=f"{uri}: rank(s) could not open the store")
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "CheckpointManager":
@@ -135,6 +133,7 @@ class CheckpointManager:
 
     def _save_sharded(self, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
                       extra: Any, metrics: Mapping[str, float] | None) -> Future[Any] | None:
+        import torch.distributed as dist
         import torch.distributed.checkpoint as torch_dcp
 
         from .dcp import AmberStorageWriter
@@ -143,13 +142,32 @@ class CheckpointManager:
         state: dict[str, Any] = {"step": step, **_sharded_state(model, optimizer)}
         if extra is not None:
             state["extra"] = extra
-        writer = AmberStorageWriter(self.store, step=step, metrics=metrics, after=lambda m: self._retain(None))
+        # Retention runs on the coordinator once the save's collectives have returned: inside
+        # DCP's finish, every other rank would wait in a collective for it, and a long gc would
+        # time out a save that had committed.
+        writer = AmberStorageWriter(self.store, step=step, metrics=metrics)
+        coordinator = dist.get_rank() == 0
         if not self.async_save:
             torch_dcp.save(state, storage_writer=writer)
+            if coordinator:
+                self._retain(None)
             return None
-        self._pending = torch_dcp.async_save(state, storage_writer=writer, process_group=self._group)
-        self._pending_step = step
-        return self._pending
+        saving = torch_dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        done: Future[Any] = Future()
+
+        def retain(f: Future[Any]) -> None:  # (on DCP's thread, after its last collective)
+            try:
+                result = f.result()
+                if coordinator:
+                    self._retain(None)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                done.set_exception(e)
+            else:
+                done.set_result(result)
+
+        saving.add_done_callback(retain)
+        self._pending, self._pending_step = done, step
+        return done
 
     def _retain(self, info: CommitInfo | None) -> None:
         if self.keep_last is not None or self.best is not None:
@@ -159,8 +177,13 @@ class CheckpointManager:
                 step: int | None = None) -> int | None:
         """Load ``step`` (default: the latest) into ``model`` and ``optimizer``; returns the
         restored step, or ``None`` when the store has no step yet. ``extra`` holds the saved
-        extra state."""
+        extra state. A store that does not exist yet (nothing saved there: a new run, or a
+        mistyped URI) is said once, in a warning and the log, as the run then starts fresh."""
         self.wait()
+        if step is None and not self.store.exists and _first_rank():
+            message = f"no checkpoint at {self.store.uri}: starting fresh"
+            _log.warning(message)
+            warn(message)
         if self.sharded:
             return self._restore_sharded(model, optimizer, step)
         if step is None and self.store.latest() is None:
@@ -244,6 +267,31 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _together(run: Callable[[], None], src: int | None, what: str) -> None:
+    """``run()`` on every rank, then each rank's failure told to all (``src``: only that rank's
+    is awaited): every rank raises if any failed, an interrupt included (raised where it struck)."""
+    import torch.distributed as dist
+
+    mine: str | None = None
+    own: BaseException | None = None
+    try:
+        run()
+    except BaseException as e:
+        mine, own = f"{type(e).__name__}: {e}", e
+    if src is None:
+        failures: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, mine)
+    else:
+        failures = [mine if dist.get_rank() == src else None]
+        dist.broadcast_object_list(failures, src=src)
+        failures = [None] * src + failures
+    if own is not None:
+        raise own
+    failed = {r: f for r, f in enumerate(failures) if f is not None}
+    if failed:
+        raise AmberError(f"{what}: " + "; ".join(f"rank {r}: {f}" for r, f in failed.items()))
 
 
 def _distributed() -> bool:

@@ -10,6 +10,7 @@ from typing import Literal
 from . import format as fmt
 from .codecs import CodecPolicy, Compression, Policy
 from .history import BASE_POLICIES
+from .validation import MAX_CHUNK_BYTES
 
 BasePolicy = Literal["auto", "log", "chain", "full"]
 SaveTimeout = float | Literal["auto"] | None
@@ -107,6 +108,11 @@ class Options:
                 or (isinstance(self.save_timeout, (int, float)) and self.save_timeout > 0)):
             raise ValueError(f"save_timeout must be 'auto', None or a positive number of seconds, not "
                              f"{self.save_timeout!r}")
+        # (what readers accept: amber_store.validation)
+        if self.chunk_bytes is not None and not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be between 1 and {MAX_CHUNK_BYTES} bytes, not {self.chunk_bytes!r}")
+        if not 0 <= self.pack_threshold <= MAX_CHUNK_BYTES:
+            raise ValueError(f"pack_threshold must be between 0 and {MAX_CHUNK_BYTES} bytes, not {self.pack_threshold!r}")
         if self.max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         if self.snapshot not in ("host", "device"):

@@ -187,7 +187,10 @@ class Reader:
                 continue
             if payload is None:
                 continue  # an unchanged chunk: the delta is zero
-            codec = DELTA_ENCODINGS[le.encoding].for_entry(le)
+            try:
+                codec = DELTA_ENCODINGS[le.encoding].for_entry(le)
+            except (KeyError, TypeError, ValueError, ArithmeticError) as exc:  # a store is untrusted input
+                raise self._corrupt(s, key, f"its {le.encoding} parameters are malformed ({exc!r})", idx) from None
             if not packed and padded == out.size and codec.fused_op and fuses(payload, out, codec.fused_op):
                 self._decompress(payload, out, s, key, idx, codec.fused_op)
                 continue
@@ -199,7 +202,7 @@ class Reader:
                 raw = self._decompress(payload, None, s, key, idx)
             try:
                 codec.decode_into(out.reshape(rshape), raw, padded, region, le)
-            except ValueError as exc:
+            except (ValueError, TypeError, KeyError, IndexError, ArithmeticError) as exc:
                 raise self._corrupt(s, key, f"stored chunk does not decode: {exc}", idx) from exc
         if check and crc32c.crc32c(out) != e.crc32c[flat]:
             raise self._corrupt(step, key, "checksum mismatch (materialized data differs from what was saved)", idx)
@@ -236,7 +239,7 @@ class Reader:
             if fut is None:
                 fut = session.packs[(step, name)] = asyncio.ensure_future(
                     self._pack_chunks(m, name, 0, len(info["index"])))
-            data, failed = await fut
+            data, failed = await asyncio.shield(fut)  # (shared: one reader cancelled must not cancel it for all)
             start = offset
         else:
             data, failed = await self._pack_chunks(m, name, first, last + 1)

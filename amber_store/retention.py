@@ -37,6 +37,7 @@ from .format import Manifest
 from .errors import StorageAccessError
 from .history import GRACE_SECONDS, GROUP_NAME, History
 from .runtime import gather
+from .storage import storage_errors
 
 if TYPE_CHECKING:
     from .stepwriter import Base, StepWriter
@@ -58,6 +59,8 @@ class GCReport:
     #: attempt groups left alone: of a step newer than the latest commit and younger than
     #: ``grace_seconds``, maybe a save in progress (a smaller grace removes them)
     spared: list[str] = field(default_factory=list)
+    #: keys of uploads in parts begun at least ``grace_seconds`` ago and never completed, aborted
+    uploads: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -197,6 +200,7 @@ def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool =
         kept = [_without(sync(history.manifest(k)), folds[k]) for k in keep]
         report.orphans, report.spared = sync(_unreferenced(history, kept, steps, grace_seconds))
         report.objects_removed = len(report.orphans)
+        report.uploads = sync(_abort_uploads(history, grace_seconds, dry_run=True))
         report.seconds = time.perf_counter() - t0
         return report
     # First what no fold reads: on a full disk that frees space before anything is written.
@@ -216,8 +220,19 @@ def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool =
                 "depends on (a larger --keep-last) and run gc again") from e
     _drop(report, history, sorted(read_by_folds), keep, steps, grace_seconds)
     report.orphans.sort()
+    report.uploads = sync(_abort_uploads(history, grace_seconds))
     report.seconds = time.perf_counter() - t0
     return report
+
+
+async def _abort_uploads(history: History, grace_seconds: float, dry_run: bool = False) -> list[str]:
+    """Abort the uploads in parts older than ``grace_seconds`` that never completed (a killed
+    process's); their keys."""
+    with storage_errors(history.uri, "aborting incomplete uploads"):
+        stale = [u for u in await history.backend.incomplete_uploads() if time.time() - u.initiated >= grace_seconds]
+        if not dry_run:
+            await gather(history.backend.abort_upload(u) for u in stale)
+    return sorted(u.key for u in stale)
 
 
 def _drop(report: GCReport, history: History, steps: list[int], keep: list[int], all_steps: list[int],

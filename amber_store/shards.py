@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UnsafeValueError
+from .errors import CorruptDataError, UnsafeValueError
 from .format import Manifest
 
 
@@ -97,17 +97,21 @@ def paths(tree: dict[str, Any]) -> dict[str, tuple[str | int, ...]]:
     return out
 
 
-def value(raw: np.ndarray, step: int, name: str, item: str) -> Any:
+def value(raw: np.ndarray, step: int, name: str, item: str, allow_pickle: bool = False) -> Any:
     """The Python value of item ``item`` (``torch.save`` bytes), loaded without running code
-    stored in it; a value that needs that is refused, naming it."""
+    stored in it; a value that needs that is refused, naming it, unless ``allow_pickle`` (a
+    store the caller trusts as they would trust running its writer's code)."""
     import torch  # here: listing and inspecting a store (history) never import torch
 
     try:
-        return torch.load(io.BytesIO(raw.tobytes()), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(raw.tobytes()), map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as e:
-        reason = str(e).split("\n")[0] if str(e) else type(e).__name__
+        lines = str(e).splitlines() or [type(e).__name__]  # (torch's names the global it refused)
+        reason = next((line.strip() for line in lines if "global" in line.lower()), lines[0])
         raise UnsafeValueError(
             f"step {step}: {name!r} is a pickled object that cannot be read without running code stored with it "
-            f"({reason}). If you trust this store, read its bytes with store.load({step}, "
-            f"tree=amber_store.shards.items_tree(store.manifest({step})))[{item!r}] and torch.load them with "
-            "weights_only=False") from None
+            f"({reason}); if you trust this store as you would trust running its writer's code, load it with "
+            "allow_pickle=True") from None
+    except Exception as e:  # (torch.load's own errors on bytes that are no torch.save file)
+        raise CorruptDataError(f"step {step}: {name!r} (item {item!r}) is not a readable value "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

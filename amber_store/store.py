@@ -29,18 +29,18 @@ from zarr.core.sync import sync
 from . import format as fmt
 from . import export as export_
 from . import retention
-from . import shards
-from .errors import (AmberError, CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StepOrderError,
-                     StorageAccessError, warn)
+from . import shards, validation
+from .errors import (AmberError, CorruptDataError, NotAnAmberStoreError, StateMismatchError, StepNotFoundError,
+                     StepOrderError, StorageAccessError, warn)
 from .format import Manifest
 from .history import GRACE_SECONDS, History
 from .background import Background
-from .lazy import LazyStateDict, LazyTensor, materialize
+from .lazy import LazyStateDict, LazyTensor, destinations, materialize
 from .reader import Reader, ReadSession
 from .retention import GCReport
 from .runtime import gather, interruptible
 from .snapshot import Snapshots
-from .storage import Backend, connect, is_storage_error
+from .storage import Backend, connect, is_storage_error, storage_errors
 from .storage.zarrstore import ZarrStoreBackend
 from .options import Options
 from .writer import Writer
@@ -91,7 +91,8 @@ class Store:
         self._snapshots = Snapshots(self.options.snapshot)
         self._walked = fmt.FlattenMemo()  # the last state saved, as flatten found it
         self._saving = threading.Lock()  # one save at a time: its checks against the history assume so
-        self.writer.root_version = sync(self.history.initialize(mode, exclusive_commits=not self.options.single_writer))
+        with storage_errors(self.history.uri, "opening the store"):
+            self.writer.root_version = sync(self.history.initialize(mode, exclusive_commits=not self.options.single_writer))
         if mode != "r" and _first_rank():  # (one rank of a job says it, and pays for the listing)
             self._warn_of_strays()
 
@@ -111,6 +112,12 @@ class Store:
     @property
     def uri(self) -> str:
         return self.history.uri
+
+    @property
+    def exists(self) -> bool:
+        """Whether a store is there: opened writable on an empty location, nothing is created
+        until the first save."""
+        return self.writer.root_version is not None
 
     @property
     def verify_checksums(self) -> bool:
@@ -388,7 +395,8 @@ class Store:
     # --- loading ------------------------------------------------------------------------
 
     def load(self, step: int | None = None, *, lazy: bool = True, device: torch.device | str | None = None,
-             tree: dict[str, Any] | None = None, strict: bool = True, into: Any = None) -> Any:
+             tree: dict[str, Any] | None = None, strict: bool = True, into: Any = None,
+             allow_pickle: bool = False) -> Any:
         """Open a committed step (``None``: the latest).
 
         Lazy (default): a structure mirroring the saved state dict whose dicts are
@@ -396,7 +404,9 @@ class Store:
         tensor or slice is used. A step saved through torch.distributed.checkpoint opens as the
         nested state its ranks saved: each sharded tensor one LazyTensor of its global shape (a
         slice reads only the shards it overlaps), its other values read now with
-        ``weights_only=True`` (:class:`UnsafeValueError` for one that needs more). ``lazy=False``: every tensor is read now (concurrently, each
+        ``weights_only=True`` (:class:`UnsafeValueError` for one that needs more, unless
+        ``allow_pickle=True``: for a store trusted as its writer's code would be, since
+        unpickling runs code; docs/SECURITY.md). ``lazy=False``: every tensor is read now (concurrently, each
         stored object once) and put on ``device``. ``tree``: a state tree of the step's form
         (:func:`amber_store.format.flatten`'s, as a framework's pointer file keeps one) naming
         tensors of the step, in place of the step's own tree;
@@ -410,15 +420,22 @@ class Store:
         ``store.load(step, into={"model": model.state_dict()})`` for a model built before the
         resume: its CPU tensors are decoded into directly (no new memory, no copy), others
         copied into; the result holds them. A tensor of another shape or dtype than the step's raises ValueError
-        before anything is read (:func:`amber_store.lazy.destinations`).
+        before anything is read (:func:`amber_store.lazy.destinations`). Strict: a tensor of
+        ``into`` the step lacks, or one of the step (under the parts of the state ``into`` names)
+        that ``into`` has no place for, raises :class:`StateMismatchError` naming them (its
+        ``missing`` and ``unexpected``) before anything is read, so that a resume never silently
+        restores nothing (a DDP model's ``module.`` prefix, say); ``strict=False`` loads the rest
+        and warns, naming them.
         """
         if step is None:
             step = self.latest()
             if step is None:
                 raise StepNotFoundError(f"{self.uri}: the store is empty (no committed step)")
         m = self.manifest(step)
+        if tree is not None:  # (a pointer file's: untrusted as the store is)
+            validation.check_tree(tree, set(m.tensors))
         layout = shards.layout_of(m) if tree is None else None
-        values = {} if layout is None else sync(self._values(m, layout))
+        values = {} if layout is None else sync(self._values(m, layout, allow_pickle))
 
         @functools.cache  # tied weights: one LazyTensor, so one tensor, for all their keys
         def leaf(key: str) -> Any:
@@ -433,19 +450,48 @@ class Store:
         lazy_sd = fmt.unflatten(m.tree if tree is None else tree, leaf, LazyStateDict)
         if lazy and into is None:
             return lazy_sd
+        dest = destinations(lazy_sd, into)
+        if dest.missing or dest.unexpected:
+            message = _mismatch(self.uri, step, dest.missing, dest.unexpected)
+            if strict:
+                raise StateMismatchError(message, missing=dest.missing, unexpected=dest.unexpected)
+            warn(message.replace("; nothing was read", "; the rest was loaded").replace(
+                "; strict=False loads the rest", ""))
         damaged: dict[str, str] | None = None if strict else {}
-        state = materialize(lazy_sd, device, damaged=damaged, into=into)
+        state = materialize(lazy_sd, device, damaged=damaged, into=dest)
         if damaged:
             warn(f"{self.uri}: step {step}: left out {len(damaged)} damaged tensor(s): "
                  f"{', '.join(sorted(damaged))}; `amber-store verify` names their chunks")
         return state
 
-    async def _values(self, m: Manifest, layout: shards.Layout) -> dict[str, Any]:
+    async def _values(self, m: Manifest, layout: shards.Layout, allow_pickle: bool) -> dict[str, Any]:
         """The Python values of a sharded step, read now (each stored object once)."""
         session = ReadSession()
         raws = await gather(self.reader.read(m.step, item, session=session) for item in layout.values.values())
-        return {name: shards.value(raw, m.step, name, item)
+        return {name: shards.value(raw, m.step, name, item, allow_pickle)
                 for (name, item), raw in zip(layout.values.items(), raws)}
+
+
+def _mismatch(uri: str, step: int, missing: list[str], unexpected: list[str]) -> str:
+    """The message of a load into a state whose tensors do not match the step's, with a hint
+    where one side's keys are the other's behind a prefix (a DDP model's ``module.``)."""
+    def some(places: list[str]) -> str:
+        return ", ".join(places[:5]) + (f" and {len(places) - 5} more" if len(places) > 5 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"into= has {len(missing)} tensor(s) the step lacks: {some(missing)}")
+    if unexpected:
+        parts.append(f"the step has {len(unexpected)} tensor(s) into= has no place for: {some(unexpected)}")
+    hint = ""
+    for prefix in ("module.", "_orig_mod."):
+        for outer, inner, side in ((unexpected, missing, "the step's"), (missing, unexpected, "into='s")):
+            if outer and {p.replace(prefix, "", 1) for p in outer} == set(inner):
+                hint = (f" ({side} keys carry a {prefix!r} prefix the other's lack, as a DDP- or torch.compile-"
+                        "wrapped model's state does: save and load the unwrapped model's state_dict, or strip the "
+                        "prefix with torch.nn.modules.utils.consume_prefix_in_state_dict_if_present)")
+    return (f"{uri}: step {step} does not match the state given as into=: " + "; ".join(parts) + hint
+            + "; nothing was read; strict=False loads the rest")
 
 
 def _check_step(step: int) -> None:
@@ -478,6 +524,10 @@ def open(
     **options: Any,
 ) -> Store:
     """Open (``"a"``: or create; ``"r"``: read only; ``"w"``: wipe and create) a checkpoint store.
+    A store comes into being at its first save: a writable open of an empty location creates
+    nothing there (:attr:`Store.exists` says whether a store is there), so a mistyped path
+    leaves nothing behind; ``"r"`` refuses a location without a store
+    (:class:`NotAnAmberStoreError`).
 
     ``uri`` is a local path, ``file://``, ``memory://name``, ``s3://bucket/prefix`` or any other
     fsspec URL; or a zarr :class:`~zarr.abc.store.Store` instance. ``storage_options`` go to the

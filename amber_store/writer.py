@@ -88,7 +88,8 @@ class Writer:
         self.reader = reader
         self.options = options
         self.bases = BaseCache()
-        #: the format version the store's root names (a commit of this version updates it)
+        #: the format version the store's root names (a commit of this version updates it;
+        #: ``None``: no store yet, the first save creates it)
         self.root_version: int | None = None
 
     def timeout(self, nbytes: int) -> float | None:
@@ -105,6 +106,9 @@ class Writer:
         appended to ``doing``."""
         doing = [] if doing is None else doing
         history = self.history
+        if self.root_version is None:  # the store's first save: it comes into being now
+            doing.append("creating the store")
+            self.root_version = await history.create(exclusive_commits=not self.options.single_writer)
         doing.append("listing the steps")
         steps = await history.steps()
         latest = steps[-1] if steps else None

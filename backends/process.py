@@ -159,6 +159,24 @@ class ServerProcess:
         if self._proc is not None:
             os.kill(self._proc.pid, signal.SIGCONT)
 
+    def healthy(self) -> bool:
+        """Whether it still serves requests (:meth:`check_ready` passes)."""
+        if not self.running:
+            return False
+        try:
+            self.check_ready()
+        except Exception:  # refused, a 5xx, a full disk's refusal to write
+            return False
+        return True
+
+    def reset(self) -> None:
+        """Start afresh on the same ports: stopped, its data removed (if the folder is its own),
+        started again (its buckets made again by :meth:`check_ready`)."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.start()
+
     def restart(self) -> None:
         """Start again on the same ports and data (after :meth:`kill` or :meth:`stop`)."""
         self.stop()

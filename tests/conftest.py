@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,6 +61,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for server in _SERVERS:
             report.sections.append((f"{server.name} at {server.endpoint}: log tail", server.log_tail(4000)))
     return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def servers_that_serve() -> Iterator[None]:
+    """Each test module starts with session servers that serve: one that stopped serving during an
+    earlier module (its disk filled, its process died) is started afresh, so one bad moment fails
+    the tests that met it, not every later one."""
+    for server in list(_SERVERS):
+        if not server.healthy():
+            warnings.warn(f"{server.name} at {server.endpoint} stopped serving; started afresh", RuntimeWarning)
+            server.reset()
+    yield
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -215,6 +215,22 @@ def main() -> None:
             final = state()
             if rank == 0:
                 torch.save(final, out / f"final_{phase}_{world}.pt")
+        elif job == "open_fails":  # one rank fails to open the store (an interrupt, or an error)
+            from amber_store.manager import CheckpointManager
+
+            failing, how = int(options.pop("rank")), options.pop("how")
+            if rank == failing:
+                def fail(*args, **kwargs):
+                    raise KeyboardInterrupt if how == "interrupt" else PermissionError("no access on this host")
+
+                amber_dcp._process = fail
+            t0 = time.monotonic()
+            try:
+                CheckpointManager(uri, storage_options=options or None, **store_options)
+            except BaseException as e:  # (KeyboardInterrupt included: it is what this rank met)
+                print(f"rank {rank}: {type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+            else:
+                print(f"rank {rank}: opened", flush=True)
         elif job == "load":  # into DTensors of this world size, or full tensors in one process
             want = expected(int(options.pop("version", 2)))
             step = options.pop("step", None)

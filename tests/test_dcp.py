@@ -411,3 +411,17 @@ def test_a_sharded_checkpoint_manager_saves_on_every_rank_and_restores_onto_anot
     # resumed from step 4 on as many ranks, steps 5-6 retrace the uninterrupted run bit for bit
     assert_tree_bit_equal(torch.load(tmp_path / "final_resume_2.pt", weights_only=True),
                           torch.load(tmp_path / "final_train_2.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["coordinator", "other-rank"])
+@pytest.mark.parametrize("how", ["error", "interrupt"])
+def test_a_rank_failing_to_open_the_store_makes_every_rank_raise_at_once(tmp_path, failing, how):
+    outs = launch("open_fails", 2, str(tmp_path / "ckpt"), {"rank": failing, "how": how})
+    for rank, out in enumerate(outs):
+        line = out.strip().splitlines()[-1]
+        took = float(line.split(" after ")[1].split(" s")[0])
+        assert took < 20, line  # not the collective's timeout (60 s here)
+        if rank == failing:
+            assert ("KeyboardInterrupt" if how == "interrupt" else "PermissionError") in line, line
+        else:
+            assert "AmberError" in line and f"rank {failing}:" in line, line

@@ -338,7 +338,7 @@ def test_a_gcs_server_that_ignores_if_generation_match_is_refused_for_writing_un
     uri, opts = store_uri(gcs_server), gcs_server.storage_options()
     with pytest.raises(amber.UnsafeStorageError, match=rf"{uri}: the server at {gcs_server.endpoint} ignores "
                                                        r"conditional writes \(ifGenerationMatch=0\).*single_writer=True"):
-        amber.open(uri, opts)
+        amber.open(uri, opts).save(1, layer_state(4))  # (a new store is checked at its first save)
     with amber.open(uri, opts, single_writer=True) as store:
         store.save(1, layer_state(4))
     assert verdicts == {("GCSBackend", gcs_server.endpoint): False}

@@ -86,10 +86,10 @@ def test_a_server_that_ignores_conditional_writes_is_refused_for_writing_unless_
     with RcloneS3() as server:
         server.create_bucket(BUCKET)
         uri, opts = f"s3://{BUCKET}/run", {**server.storage_options(), **client}
+        s = layer_state(4)
         with pytest.raises(amber.UnsafeStorageError, match=rf"{uri}: the server at {server.endpoint} ignores "
                                                            r"conditional writes .* single_writer=True"):
-            amber.open(uri, opts)
-        s = layer_state(4)
+            amber.open(uri, opts).save(1, s)  # (a new store is checked at its first save: opening creates nothing)
         with amber.open(uri, opts, single_writer=True) as store:
             store.save(1, s)
         with amber.open(uri, opts, mode="r") as reader:  # reading needs no guarantee

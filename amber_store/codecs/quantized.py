@@ -122,7 +122,8 @@ class QuantizedDeltaCodec(ElementwiseDeltaCodec):
         return self if delta.params is not None else DiffDeltaCodec(self.base_step, self.base_array)
 
     def apply_into(self, out: np.ndarray, stored: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> None:
-        assert entry.params is not None
+        if entry.params is None:
+            raise ValueError("a quantized delta without its scales")
         values = host_floats(out, DTYPES[entry.dtype]) if out.flags.c_contiguous else None
         if values is not None:  # (float32, float64) in place, by a kernel
             from . import kernels

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, ClassVar, Iterator, TypeVar
 from urllib.parse import SplitResult
 
@@ -26,6 +28,17 @@ T = TypeVar("T")
 
 #: top-level modules whose exceptions are I/O failures (each backend adds its client's)
 _ERROR_MODULES: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Upload:
+    """An upload in parts that was begun and never completed nor aborted (a killed process's):
+    invisible to listings, and billed until aborted."""
+
+    key: str
+    upload_id: str
+    #: when it began (seconds since the epoch)
+    initiated: float
 
 
 def as_buffer(data: bytes) -> Buffer:
@@ -142,6 +155,14 @@ class Backend(abc.ABC):
         sizes = [await self.store.getsize(key) async for key in self.store.list_prefix("")]
         return {"objects": len(sizes), "bytes": sum(sizes), "allocated": sum(sizes)}
 
+    async def incomplete_uploads(self) -> list[Upload]:
+        """Uploads in parts under the location begun and never completed (storage whose
+        uploads leave nothing billed behind has none)."""
+        return []
+
+    async def abort_upload(self, upload: Upload) -> None:
+        """Abort an upload of :meth:`incomplete_uploads`, freeing its parts."""
+
     def close(self) -> None:
         """Close the client's connections. The backend stays usable: a later request connects
         again."""
@@ -173,9 +194,18 @@ def storage_errors(uri: str, doing: str) -> Iterator[None]:
 
 
 def reason(e: BaseException) -> str:
-    """One line on an error, for messages (never a credential)."""
+    """One line on an error, for messages (never a credential): a server's answer as its status,
+    code and message in words, without the XML it came in, the client's request URLs and
+    retry accounting, or a debug dump."""
     name = type(e).__name__
-    text = str(e).splitlines()[0] if str(e) else ""
+    full = str(e)
+    text = full.splitlines()[0] if full else ""
     if "credential" in (name + text).lower():
         return f"no valid credentials found: {name}"
+    status = re.search(r"status code:? (\d{3}(?: [A-Za-z][A-Za-z ]*[A-Za-z])?)", full)
+    said = [m.group(1).strip() for tag in ("Code", "Message") for m in [re.search(rf"<{tag}>([^<]*)</{tag}>", full)] if m]
+    if status or said:
+        return f"{name}: the server answered {status.group(1) if status else 'with an error'}" + \
+            (f" ({': '.join(said)})" if said else "")
+    text = re.sub(r"(https?://[^/\s]+)\S*", r"\1", text)  # (a request's path and query: noise)
     return f"{name}: {text}"[:300]

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
+import types
 from typing import Any
 from urllib.parse import SplitResult
 
@@ -68,14 +70,35 @@ class GCSBackend(FsspecObjectStoreBackend):
         return str(e).startswith("Forbidden") or getattr(e, "code", None) == 401
 
     async def probe_request(self) -> None:
-        await self.fs._call("GET", "b/{}/o", self.bucket, prefix=f"{self.prefix}/" if self.prefix else "",
-                            maxResults=1, json_out=True)
+        """One attempt only: an endpoint that does not answer fails the open within the connect
+        timeout, not after gcsfs's retries and their back-off."""
+        from gcsfs.core import GCSFileSystem
+        from gcsfs.retry import retry_request
+
+        self.fs._request = types.MethodType(retry_request(retries=1)(GCSFileSystem._request.__wrapped__), self.fs)
+        try:
+            await self.fs._call("GET", "b/{}/o", self.bucket, prefix=f"{self.prefix}/" if self.prefix else "",
+                                maxResults=1, json_out=True)
+        finally:
+            del self.fs._request
 
     async def renew_client(self) -> None:
         """gcsfs makes a session (and arranges its closing) at the next request."""
         session, self.fs._session = self.fs._session, None
         if session is not None and not session.closed:
             await session.close()
+
+
+class _Reported(logging.Filter):
+    """Drops gcsfs's log records of a request that failed for good, with their tracebacks: the
+    failure reaches the caller as one line (:class:`StorageAccessError`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "out of retries on exception" not in record.getMessage() and \
+            "non-retriable exception" not in record.getMessage()
+
+
+logging.getLogger("gcsfs").addFilter(_Reported())
 
 
 @functools.cache

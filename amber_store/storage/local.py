@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,8 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Suf
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import LocalStore
 
-from ..errors import InvalidURIError, NotAnAmberStoreError
+from .. import validation
+from ..errors import CorruptDataError, InvalidURIError, NotAnAmberStoreError
 from ..runtime import finish
 from .base import Backend
 
@@ -31,9 +33,27 @@ T = TypeVar("T")
 MAP_MIN_BYTES = 1 << 20
 
 
-def _get_local(path: Path, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+def _inside(root: Path, key: str) -> Path:
+    """The file of ``key`` under ``root``; a key from a crafted manifest that would leave the
+    store is refused (:class:`CorruptDataError`) before any file is opened."""
+    try:
+        validation.check_key(key)
+    except validation.Invalid as e:
+        raise CorruptDataError(f"{root}: {e}") from None
+    return root / key
+
+
+def _get_local(root: Path, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer:
+    path = _inside(root, key)
+    real = os.path.realpath(path)
+    if not real.startswith(os.path.join(os.path.realpath(root), "")):  # a link planted in the store
+        raise CorruptDataError(f"{root}: object key {key!r} links outside the store")
+    # (non-blocking: a FIFO planted in the store must not hang the load; regular files ignore it)
+    with open(os.open(real, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptDataError(f"{root}: object key {key!r} is not a regular file")
+        size = st.st_size
         if isinstance(byte_range, RangeByteRequest):
             start, stop = byte_range.start, min(size, byte_range.end)
         elif isinstance(byte_range, OffsetByteRequest):
@@ -60,12 +80,17 @@ class MappedLocalStore(LocalStore):
     written aside and renamed over (zarr's writes, :meth:`LocalBackend.put_object`), so a
     mapping keeps the bytes it was opened on, even after the file is deleted."""
 
+    async def _open(self, *, mode: Any = None) -> None:
+        # (zarr's makes the directory: a store comes into being at its first save, whose writes
+        # make the directories they need, so that opening a mistyped path leaves nothing behind)
+        self._is_open = True
+
     async def get(self, key: str, prototype: BufferPrototype | None = None,
                   byte_range: ByteRequest | None = None) -> Buffer | None:
         if not self._is_open:
             await self._open()
         try:
-            return await asyncio.to_thread(_get_local, self.root / key, prototype or default_buffer_prototype(),
+            return await asyncio.to_thread(_get_local, self.root, key, prototype or default_buffer_prototype(),
                                            byte_range)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
@@ -94,16 +119,16 @@ class LocalBackend(Backend):
         into place, so a file is never rewritten in place (readers may have it mapped); with
         ``durable`` it is fsynced before the rename, overlapping the disk's work with the
         encoding of the next object (by :meth:`make_durable`, only directories cost anything)."""
-        path = self.root / key
+        path = _inside(self.root, key)
         await _write(lambda: os.replace(_write_aside(path, parts, durable), path))
 
     async def put(self, key: str, data: bytes) -> None:
-        await _write(replace_file, self.root / key, data)
+        await _write(replace_file, _inside(self.root, key), data)
 
     async def put_if_absent(self, key: str, data: bytes) -> bool:
         """Written aside, then hard-linked into place: the link fails if the name exists, and
         readers never see a partial file."""
-        return await _write(_link_into_place, self.root / key, data)
+        return await _write(_link_into_place, _inside(self.root, key), data)
 
     async def make_durable(self, keys: list[str]) -> None:
         await _write(_fsync_all, self.root, keys)
@@ -111,8 +136,11 @@ class LocalBackend(Backend):
     async def delete(self, key: str) -> None:
         """The file, then each directory above it left empty, up to the store's top-level ones
         (``steps/``, ``commits/``): a directory is a file system's object too."""
-        await super().delete(key)
+        await super().delete(str(_inside(self.root, key).relative_to(self.root)))
         await asyncio.to_thread(_prune, self.root, key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        await super().delete_dir(prefix and str(_inside(self.root, prefix.rstrip("/")).relative_to(self.root)))
 
     async def probe(self) -> None:
         if self.read_only and not self.root.is_dir():

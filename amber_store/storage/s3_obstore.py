@@ -13,13 +13,16 @@ s3fs backend (:mod:`amber_store.storage.s3`). The commit is a conditional PUT
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import os
+import re
 from typing import Any, AsyncIterator
 from urllib.parse import SplitResult
 
 from ..errors import InvalidURIError, StorageAccessError
-from .base import Backend
+from .base import Backend, Upload
 from .objectstore import ObjectStoreBackend
 
 #: Bounds on every request: to connect, of silence between bytes (a frozen server), and on a
@@ -29,6 +32,8 @@ S3_CLIENT: dict[str, Any] = {"connect_timeout": "5s", "read_timeout": "15s", "ti
 S3_RETRY: dict[str, Any] = {"max_retries": 3, "retry_timeout": datetime.timedelta(seconds=60)}
 #: Objects above this size are uploaded in parts of this size, several at once.
 PART_BYTES = 64 << 20
+#: How long a failed upload in parts may spend aborting itself.
+ABORT_SECONDS = 30.0
 #: Options that only s3fs understands: with any of them, the store goes through s3fs.
 S3FS_ONLY = frozenset({"client_kwargs", "config_kwargs", "session", "s3_additional_kwargs", "requester_pays",
                        "default_block_size", "default_fill_cache", "version_aware", "cache_regions",
@@ -52,6 +57,10 @@ class ObstoreS3Backend(ObjectStoreBackend):
         super().__init__(ObjectStore(client, read_only=read_only), uri, f"{bucket}/{prefix}".rstrip("/"))
         self.client = client
         self._endpoint = endpoint
+        self._bucket, self._prefix = bucket, prefix.strip("/")
+        self._config: dict[str, Any] = {}
+        self._provider: Any = None
+        self._aborting: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any],
@@ -74,7 +83,9 @@ class ObstoreS3Backend(ObjectStoreBackend):
                             retry_config=S3_RETRY, credential_provider=provider)
         except Exception as e:  # obstore reports bad configuration as its own errors
             raise InvalidURIError(f"{text}: cannot create an S3 client: {e}") from None
-        return cls(store, bucket, prefix, text, read_only, config.get("endpoint") or "AWS S3")
+        backend = cls(store, bucket, prefix, text, read_only, config.get("endpoint") or "AWS S3")
+        backend._config, backend._provider = config, provider
+        return backend
 
     @property
     def endpoint(self) -> str:
@@ -105,8 +116,67 @@ class ObstoreS3Backend(ObjectStoreBackend):
         if size <= PART_BYTES:
             await obstore.put_async(self.client, key, b"".join(parts) if len(parts) != 1 else parts[0],
                                     use_multipart=False)
-        else:
+            return
+        try:
             await obstore.put_async(self.client, key, iter(parts), chunk_size=PART_BYTES, max_concurrency=4)
+        except BaseException:  # failed or cancelled: its parts would stay, billed and invisible
+            task = asyncio.ensure_future(self._abort_uploads_of(key))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+            raise
+
+    async def _abort_uploads_of(self, key: str) -> None:
+        """Abort the incomplete uploads of ``key`` (best effort, bounded: gc removes what is left)."""
+        async def abort() -> None:
+            for upload in await self.incomplete_uploads(key):
+                await self.abort_upload(upload)
+
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(abort(), ABORT_SECONDS)
+
+    async def incomplete_uploads(self, key: str | None = None) -> list[Upload]:
+        """The location's (or ``key``'s) uploads in parts begun and never completed, as S3's
+        ListMultipartUploads tells them."""
+        prefix = self._key(key) if key is not None else (f"{self._prefix}/" if self._prefix else "")
+
+        def listed() -> list[Upload]:
+            pages = self._uploads_client().get_paginator("list_multipart_uploads").paginate(
+                Bucket=self._bucket, Prefix=prefix)
+            return [Upload(u["Key"][len(self._prefix) + 1 if self._prefix else 0:], u["UploadId"],
+                           u["Initiated"].timestamp())
+                    for page in pages for u in page.get("Uploads", []) if key is None or u["Key"] == prefix]
+
+        return await asyncio.to_thread(listed)
+
+    async def abort_upload(self, upload: Upload) -> None:
+        await asyncio.to_thread(self._uploads_client().abort_multipart_upload, Bucket=self._bucket,
+                                Key=self._key(upload.key), UploadId=upload.upload_id)
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _uploads_client(self) -> Any:
+        """A botocore client for what obstore does not do (listing and aborting uploads), with the
+        same endpoint, region and credentials."""
+        import botocore
+        import botocore.config
+        import botocore.session
+
+        config = self._config
+        creds: dict[str, Any] = {}
+        if "access_key_id" in config:
+            creds = {"aws_access_key_id": config["access_key_id"], "aws_secret_access_key": config.get("secret_access_key"),
+                     "aws_session_token": config.get("session_token")}
+        elif self._provider is not None:
+            frozen = self._provider()
+            creds = {"aws_access_key_id": frozen["access_key_id"], "aws_secret_access_key": frozen["secret_access_key"],
+                     "aws_session_token": frozen["token"]}
+        options = botocore.config.Config(
+            s3={"addressing_style": "virtual" if config.get("virtual_hosted_style_request", True) else "path"},
+            connect_timeout=5, read_timeout=15, retries={"max_attempts": 3},
+            signature_version=botocore.UNSIGNED if config.get("skip_signature") else None)
+        return botocore.session.get_session().create_client(
+            "s3", endpoint_url=config.get("endpoint"), region_name=config.get("region"), config=options, **creds)
 
     async def put(self, key: str, data: bytes) -> None:
         import obstore
@@ -144,7 +214,8 @@ class ObstoreS3Backend(ObjectStoreBackend):
     def denied(self, e: Exception) -> bool:
         from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
-        return isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or "403" in str(e) or "401" in str(e)
+        return isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or \
+            re.search(r"status code:? 40[13]\b", str(e)) is not None
 
     async def footprint(self) -> dict[str, int]:
         import obstore

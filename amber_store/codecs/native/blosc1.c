@@ -35,13 +35,23 @@ static uint32_t u32(const uint8_t *p) {
     return v;
 }
 
-/* Whether the frame's header is one this decoder takes, for an output of `nbytes`. */
-static int header_ok(const uint8_t *f, size_t len, size_t nbytes) {
+/* A frame's header, copied out of the frame once, with the GIL held: the decode runs from these
+ * values only (the caller's buffer may change while the GIL is released). */
+typedef struct {
+    uint8_t flags;
+    uint32_t size, block;
+} header_t;
+
+/* Whether the frame's header is one this decoder takes, for an output of `nbytes`; if so, *h
+ * holds it. Every field the decode divides or sizes by is checked here (a block of 0 included). */
+static int read_header(const uint8_t *f, size_t len, size_t nbytes, header_t *h) {
     if (!fast || len < HEADER) return 0;
-    uint8_t flags = f[2];
-    uint32_t size = u32(f + 4), block = u32(f + 8);
-    return f[3] == TYPESIZE && (flags & DOBITSHUFFLE) && !(flags & (DOSHUFFLE | MEMCPYED)) &&
-           (flags >> 5) == LZ4_FORMAT && size == nbytes && block > 0 && block % 2048 == 0 && size % block == 0;
+    h->flags = f[2];
+    h->size = u32(f + 4);
+    h->block = u32(f + 8);
+    return f[3] == TYPESIZE && (h->flags & DOBITSHUFFLE) && !(h->flags & (DOSHUFFLE | MEMCPYED)) &&
+           (h->flags >> 5) == LZ4_FORMAT && h->size == nbytes && h->block > 0 && h->block % 2048 == 0 &&
+           h->size % h->block == 0;
 }
 
 #if HAVE_KERNEL
@@ -111,11 +121,12 @@ static void unshuffle4(const uint8_t *const planes[4], uint32_t *dst, size_t n, 
 }
 #endif
 
-/* Decode the frame f (len bytes) into dst (nbytes). Returns NULL or the reason it is corrupt. */
-static const char *decode(const uint8_t *f, size_t len, uint8_t *dst, size_t nbytes, int op, uint8_t *tmp) {
+/* Decode the frame f (len bytes), whose header is h, into dst (h->size bytes). Returns NULL or the
+ * reason it is corrupt. */
+static const char *decode(const header_t *h, const uint8_t *f, size_t len, uint8_t *dst, int op, uint8_t *tmp) {
 #if HAVE_KERNEL
-    const uint32_t block = u32(f + 8), nblocks = (uint32_t)(nbytes / block);
-    const int nsplits = (f[2] & DONT_SPLIT) ? 1 : TYPESIZE;
+    const uint32_t block = h->block, nblocks = h->size / block;
+    const int nsplits = (h->flags & DONT_SPLIT) ? 1 : TYPESIZE;
     const size_t stream = block / nsplits;
     if (HEADER + 4 * (size_t)nblocks > len) return "frame shorter than its block offsets";
     for (uint32_t b = 0; b < nblocks; b++) {
@@ -142,7 +153,7 @@ static const char *decode(const uint8_t *f, size_t len, uint8_t *dst, size_t nby
     }
     return NULL;
 #else
-    (void)f; (void)len; (void)dst; (void)nbytes; (void)op; (void)tmp;
+    (void)h; (void)f; (void)len; (void)dst; (void)op; (void)tmp;
     return "no kernel on this platform";
 #endif
 }
@@ -151,7 +162,8 @@ static PyObject *py_takes(PyObject *self, PyObject *args) {
     Py_buffer frame;
     Py_ssize_t nbytes;
     if (!PyArg_ParseTuple(args, "y*n", &frame, &nbytes)) return NULL;
-    int ok = nbytes >= 0 && header_ok(frame.buf, (size_t)frame.len, (size_t)nbytes);
+    header_t h;
+    int ok = nbytes >= 0 && read_header(frame.buf, (size_t)frame.len, (size_t)nbytes, &h);
     PyBuffer_Release(&frame);
     return PyBool_FromLong(ok);
 }
@@ -161,9 +173,10 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     int op;
     if (!PyArg_ParseTuple(args, "y*w*i", &frame, &out, &op)) return NULL;
     const char *err = NULL;
+    header_t h;
     if (op != OP_STORE && op != OP_UNZIGZAG_ADD) err = "unknown op";
-    else if (!header_ok(frame.buf, (size_t)frame.len, (size_t)out.len)) err = "not a frame this decoder takes";
-    uint8_t *tmp = err ? NULL : malloc(u32((const uint8_t *)frame.buf + 8));
+    else if (!read_header(frame.buf, (size_t)frame.len, (size_t)out.len, &h)) err = "not a frame this decoder takes";
+    uint8_t *tmp = err ? NULL : malloc(h.block);
     if (!err && !tmp) {
         PyBuffer_Release(&frame);
         PyBuffer_Release(&out);
@@ -171,7 +184,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     }
     if (!err) {
         Py_BEGIN_ALLOW_THREADS
-        err = decode(frame.buf, (size_t)frame.len, out.buf, (size_t)out.len, op, tmp);
+        err = decode(&h, frame.buf, (size_t)frame.len, out.buf, op, tmp);
         Py_END_ALLOW_THREADS
     }
     free(tmp);

@@ -1,0 +1,246 @@
+"""A store is untrusted input: the checks a manifest passes before anything reads by it.
+
+A manifest comes from whoever wrote the store (a colleague, a shared bucket, a download). Every
+load path parses it through :func:`parse_manifest`, which checks, before any tensor is read or
+allocated: the format version first (a newer one says "upgrade amber-store"), then that every
+object key it names lies inside the store (:func:`check_key`), that each tensor's shape, chunk
+grid, byte count and per-chunk lists agree and stay within :data:`MAX_CHUNK_BYTES`, that every
+delta names an earlier step (a chain always ends), and that the state tree names only tensors
+the step has. What a manifest claims and its bytes then agree, or it is refused as
+:class:`~amber_store.errors.CorruptDataError`: a crafted shape fails here in microseconds, not
+in an allocation of terabytes. docs/SECURITY.md states the guarantees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from . import format as fmt
+from .errors import CorruptDataError, FormatVersionError
+
+#: The largest chunk (and packed tensor, and pack part) a reader accepts and a writer makes: a
+#: read allocates at most this per chunk the manifest lists (c-blosc 1.x frames stop at 2 GB).
+MAX_CHUNK_BYTES = 1 << 30
+#: The deepest state tree a manifest may hold (a model's nesting is a few dozen levels).
+MAX_TREE_DEPTH = 200
+
+_BAD_KEY = re.compile(r"[\x00-\x1f\\:]")
+_ENCODINGS = ("full", "same", *fmt.DELTA_ENCODINGS)
+_CONTAINERS = ("list", "tuple", "set", "frozenset")
+_LEAVES = ("value", "float", "bytes", "bytearray", "npy", "npscalar", "path", "dtype", "device", "size")
+
+
+class Invalid(ValueError):
+    """What is wrong with a manifest (turned into a CorruptDataError naming the step)."""
+
+
+def check_key(key: Any, prefix: str = "") -> str:
+    """``key`` if it is an object key inside the store (below ``prefix``): relative, '/'-separated,
+    no empty, ``.`` or ``..`` segment, no backslash, colon, NUL or other control character."""
+    if not isinstance(key, str) or not key or _BAD_KEY.search(key) or key.startswith("/") or not key.startswith(prefix):
+        raise Invalid(f"object key {key!r} is not a key inside the store")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise Invalid(f"object key {key!r} leaves its folder")
+    return key
+
+
+def parse_manifest(data: bytes) -> fmt.Manifest:
+    """The manifest in ``data``, checked (:func:`validate`). Raises
+    :class:`FormatVersionError` for a newer format (before anything else is looked at) and
+    :class:`Invalid` for anything malformed."""
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise Invalid(f"not JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict):
+        raise Invalid("not a JSON object")
+    version = d.get("format_version", fmt.FORMAT_VERSION)
+    if type(version) is not int or version < 1:
+        raise Invalid(f"format_version {version!r} is not a version")
+    if version > fmt.FORMAT_VERSION:
+        raise FormatVersionError(f"written with format version {version}; this amber-store reads up to "
+                                 f"{fmt.FORMAT_VERSION}; upgrade amber-store")
+    if d.get("format", fmt.FORMAT_NAME) != fmt.FORMAT_NAME:
+        raise Invalid(f"format {d.get('format')!r} is not {fmt.FORMAT_NAME!r}")
+    try:
+        tensors = d["tensors"]
+        _expect(isinstance(tensors, dict), "tensors is not an object")
+        d["tensors"] = {k: fmt.TensorEntry(**_object(v, f"tensor {k!r}")) for k, v in tensors.items()}
+        m = fmt.Manifest(**d)
+    except (KeyError, TypeError) as e:
+        raise Invalid(f"{type(e).__name__}: {e}") from None
+    validate(m)
+    return m
+
+
+def validate(m: fmt.Manifest) -> None:
+    """Check a parsed manifest's consistency (see the module's docstring); raises :class:`Invalid`."""
+    _expect(_is_int(m.step) and m.step >= 0, f"step {m.step!r} is not a step")
+    _expect(m.kind in ("full", "delta"), f"kind {m.kind!r}")
+    _expect(m.base is None or (_is_int(m.base) and 0 <= m.base < m.step), f"base {m.base!r} is not an earlier step")
+    _expect(_is_int(m.depth) and m.depth >= 0, f"depth {m.depth!r}")
+    _expect(isinstance(m.segment, list) and all(_is_int(s) and s <= m.step for s in m.segment),
+            f"segment {m.segment!r}")
+    _expect(isinstance(m.extra, dict), "extra is not an object")
+    _expect(isinstance(m.packs, dict), "packs is not an object")
+    check_key(m.group, f"{fmt.STEPS_DIR}/")
+    for name, info in m.packs.items():
+        _check_pack(name, _object(info, f"pack {name!r}"))
+    for key, e in m.tensors.items():
+        _expect(isinstance(key, str) and key != "", f"tensor key {key!r}")
+        try:
+            _check_entry(m, e)
+        except Invalid as err:
+            raise Invalid(f"tensor {key!r}: {err}") from None
+    folded = m.extra.get("folded")
+    if folded is not None:
+        check_key(_object(folded, "extra.folded").get("group"), f"{fmt.STEPS_DIR}/")
+    dcp = m.extra.get("dcp")
+    names = set(m.tensors)
+    if dcp is not None:
+        dcp = _object(dcp, "extra.dcp")
+        if "metadata" in dcp:  # format 8: DCP's Metadata beside the step
+            check_key(dcp["metadata"], f"{fmt.STEPS_DIR}/")
+        if dcp.get("state") is not None:
+            names = _check_layout(m, _object(dcp["state"], "extra.dcp.state"))
+    _check_tree(m.tree, names, 0)
+
+
+def _check_entry(m: fmt.Manifest, e: fmt.TensorEntry) -> None:
+    _expect(_named(e.dtype, fmt.ITEMSIZES), f"dtype {e.dtype!r} is unknown")
+    _expect(_named(e.encoding, _ENCODINGS), f"encoding {e.encoding!r} is unknown")
+    shape, chunks = _ints(e.shape, "shape"), _ints(e.chunks, "chunks")
+    _expect(len(chunks) == len(shape), f"chunks {chunks} do not match shape {shape}")
+    _expect(all(1 <= c <= max(1, s) for s, c in zip(shape, chunks)), f"chunks {chunks} do not fit shape {shape}")
+    item = fmt.ITEMSIZES[e.dtype]
+    _expect(math.prod(chunks) * item <= MAX_CHUNK_BYTES,
+            f"a chunk of {chunks} x {item} bytes is over the {MAX_CHUNK_BYTES}-byte limit")
+    _expect(_is_int(e.nbytes) and e.nbytes == math.prod(shape) * item,
+            f"nbytes {e.nbytes!r} is not shape {shape} x {item} bytes")
+    n = math.prod(fmt.chunk_grid(tuple(shape), tuple(chunks)))
+    lengths = (n,) if n else (0, 1)  # (an empty tensor's one checksum is of nothing)
+    _expect(isinstance(e.crc32c, list) and len(e.crc32c) in lengths and all(_is_int(c) for c in e.crc32c),
+            f"{n} chunks need {n} checksums")
+    _expect(_is_int(e.stored) and e.stored >= 0, f"stored {e.stored!r}")
+    _expect(e.params is None or isinstance(e.params, dict), "params is not an object")
+    if e.encoding != "full":
+        _expect(_is_int(e.base) and 0 <= e.base < m.step, f"base {e.base!r} is not an earlier step")
+    if e.encoding == "same":
+        return
+    if e.array is not None:
+        check_key(e.array, f"{fmt.STEPS_DIR}/")
+    if e.index is not None:
+        _expect(e.array is not None and isinstance(e.index, list) and len(e.index) in lengths,
+                f"{n} chunks need an array and {n} index entries")
+        for loc in e.index:
+            _expect(loc is None or (isinstance(loc, list) and len(loc) == 2 and all(_is_int(v) and v >= 0 for v in loc)),
+                    f"index entry {loc!r}")
+    if e.pack is not None:
+        p = e.pack
+        _expect(isinstance(p, list) and len(p) == 3 and _is_int(p[1]) and _is_int(p[2]) and p[1] >= 0
+                and (p[2] == 0 or (p[2] > 0 and _named(p[0], m.packs) and p[1] + p[2] <= m.packs[p[0]]["nbytes"])),
+                f"pack location {p!r} is not inside a pack of the step")
+        _expect(e.nbytes <= MAX_CHUNK_BYTES, "a packed tensor is over the chunk limit")
+        _expect(e.encoding != "full" or p[2] in (0, e.nbytes), f"{p[2]} packed bytes hold no {e.nbytes} bytes of values")
+    _expect(e.index is None or e.pack is None, "both an index and a pack")
+    _expect(e.array is not None or e.pack is not None, "no data named")
+
+
+def _check_pack(name: str, info: dict[str, Any]) -> None:
+    check_key(info.get("array"), f"{fmt.STEPS_DIR}/")
+    chunk, nbytes, index = info.get("chunk"), info.get("nbytes"), info.get("index")
+    _expect(_is_int(chunk) and 1 <= chunk <= MAX_CHUNK_BYTES, f"pack {name!r}: chunk {chunk!r}")
+    _expect(_is_int(nbytes) and nbytes >= 0, f"pack {name!r}: nbytes {nbytes!r}")
+    _expect(isinstance(index, list) and len(index) == -(-nbytes // chunk)
+            and all(isinstance(loc, list) and len(loc) == 2 and all(_is_int(v) and v >= 0 for v in loc) for loc in index),
+            f"pack {name!r}: its index does not list its {-(-nbytes // chunk)} chunks")
+
+
+def _check_layout(m: fmt.Manifest, state: dict[str, Any]) -> set[str]:
+    """A sharded step's layout (``extra.dcp.state``): each tensor's shards are items of the step
+    of its dtype, inside its shape; each value an item. Returns the names the tree may use."""
+    tensors, values = _object(state.get("tensors"), "dcp tensors"), _object(state.get("values"), "dcp values")
+    for name, t in tensors.items():
+        t = _object(t, f"dcp tensor {name!r}")
+        _expect(_named(t.get("dtype"), fmt.ITEMSIZES), f"dcp tensor {name!r}: dtype {t.get('dtype')!r}")
+        shape = _ints(t.get("shape"), f"dcp tensor {name!r} shape")
+        _expect(isinstance(t.get("shards"), list), f"dcp tensor {name!r}: shards")
+        for shard in t["shards"]:
+            _expect(isinstance(shard, list) and len(shard) == 2 and _named(shard[1], m.tensors),
+                    f"dcp tensor {name!r}: shard {shard!r} names no item of the step")
+            offset, item = _ints(shard[0], "shard offset"), m.tensors[shard[1]]
+            _expect(item.dtype == t["dtype"] and len(offset) == len(shape) == len(item.shape)
+                    and all(o + s <= n for o, s, n in zip(offset, item.shape, shape)),
+                    f"dcp tensor {name!r}: shard {shard[1]!r} does not fit {t['dtype']}{shape}")
+    for name, item in values.items():
+        _expect(_named(item, m.tensors), f"dcp value {name!r} names no item of the step")
+    return set(tensors) | set(values)
+
+
+def check_tree(tree: Any, names: set[str]) -> None:
+    """Check a state tree given for a step (a pointer file's) against the tensors it names;
+    raises :class:`CorruptDataError`."""
+    try:
+        _check_tree(tree, names, 0)
+    except Invalid as e:
+        raise CorruptDataError(f"the state tree given does not fit the step: {e}") from None
+
+
+def _check_tree(node: Any, names: set[str], depth: int) -> None:
+    """The state tree's containers and that its tensor leaves name ``names`` (leaf bodies are
+    checked as they are built: :func:`amber_store.format.unflatten`)."""
+    _expect(depth < MAX_TREE_DEPTH, "the state tree nests too deep")
+    _expect(isinstance(node, dict) and len(node) >= 1, f"tree node {node!r}")
+    kind, body = next(iter(node.items()))
+    if kind == "tensor" or kind == "ndarray":
+        _expect(_named(body, names), f"the state tree names tensor {body!r}, which the step lacks")
+    elif kind in ("dict", "odict"):
+        _expect(isinstance(body, list), f"{kind} node is not a list")
+        for pair in body:
+            _expect(isinstance(pair, list) and len(pair) == 2, f"{kind} item {pair!r}")
+            if isinstance(pair[0], dict):
+                _check_tree(pair[0], names, depth + 1)
+            else:
+                _expect(pair[0] is None or isinstance(pair[0], (str, int, float, bool)), f"dict key {pair[0]!r}")
+            _check_tree(pair[1], names, depth + 1)
+        if kind == "odict" and "metadata" in node:
+            _check_tree(node["metadata"], names, depth + 1)
+    elif kind in _CONTAINERS:
+        _expect(isinstance(body, list), f"{kind} node is not a list")
+        for child in body:
+            _check_tree(child, names, depth + 1)
+    elif kind == "value":
+        _expect(body is None or isinstance(body, (str, int, float, bool)), f"value {body!r} is not a plain value")
+    # other kinds: leaves checked as they are built, or a newer format's (unflatten refuses those)
+
+
+def _object(v: Any, what: str) -> dict[str, Any]:
+    _expect(isinstance(v, dict), f"{what} is not an object")
+    return v
+
+
+def _ints(v: Any, what: str) -> list[int]:
+    _expect(isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v), f"{what} {v!r} is not a list of sizes")
+    return v
+
+
+def _named(v: Any, names: Any) -> bool:
+    return isinstance(v, str) and v in names
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise Invalid(what)
+
+
+def corrupt(uri: str, step: int, key: str, data: bytes, e: Invalid) -> CorruptDataError:
+    """The error for the manifest of ``step`` at ``key`` that failed its checks."""
+    return CorruptDataError(f"{uri}: the manifest of step {step} ({key}, {len(data)} bytes) is unreadable: {e}",
+                            step=step)

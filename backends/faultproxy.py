@@ -1,0 +1,118 @@
+"""A proxy in front of an HTTP object store that relays requests, drops chosen answers and fails
+chosen requests.
+
+What a client sees when the server stored its request and the answer was lost on the way (a
+timeout, a reset connection): the request reaches the server, the server answers, and the proxy
+closes the client's connection instead of passing that answer on. Requests are HTTP/1.1 with a
+``Content-Length`` body (what the S3, GCS and Azure clients send for small objects); the proxy
+parses only request heads, relays everything else byte for byte, and leaves signatures intact
+(the ``Host`` header is passed on as the client signed it). Loopback only.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Callable
+from urllib.parse import urlsplit
+
+#: (method, path with query) -> whether to drop the answer to that request
+Rule = Callable[[str, str], bool]
+
+
+#: what the proxy answers a request ``fail`` picks: S3's answer to a server error
+SERVER_ERROR = (b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n\r\n")
+SERVER_ERROR_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code><Message>We '
+                     b"encountered an internal error. Please try again.</Message><RequestId>1</RequestId></Error>")
+
+
+class FaultProxy:
+    """Relays connections to ``upstream`` (``http://host:port``), dropping the answer to each
+    request ``drop(method, path)`` picks, and answering each that ``fail`` picks with a 500
+    itself; :attr:`dropped` and :attr:`failed` list those requests."""
+
+    def __init__(self, upstream: str, drop: Rule = lambda m, p: False, fail: Rule = lambda m, p: False) -> None:
+        parts = urlsplit(upstream)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.drop = drop
+        self.fail = fail
+        self.dropped: list[tuple[str, str]] = []
+        self.failed: list[tuple[str, str]] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def __enter__(self) -> "FaultProxy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.upstream)
+            dropping = threading.Event()
+            threading.Thread(target=self._requests, args=(client, upstream, dropping), daemon=True).start()
+            threading.Thread(target=self._answers, args=(upstream, client, dropping), daemon=True).start()
+
+    def _requests(self, client: socket.socket, upstream: socket.socket, dropping: threading.Event) -> None:
+        """Client -> server, one request at a time (clients do not pipeline)."""
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = client.recv(65536)
+                    if not data:
+                        return _close(client, upstream)
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path = lines[0].split(" ")[:2]
+                length = next((int(line.split(":", 1)[1]) for line in lines[1:]
+                               if line.lower().startswith("content-length:")), 0)
+                while len(buf) < length:
+                    data = client.recv(65536)
+                    if not data:
+                        return _close(client, upstream)
+                    buf += data
+                body, buf = buf[:length], buf[length:]
+                if self.fail(method, path):
+                    self.failed.append((method, path))
+                    client.sendall(SERVER_ERROR % len(SERVER_ERROR_BODY) + SERVER_ERROR_BODY)
+                    continue
+                if self.drop(method, path):
+                    self.dropped.append((method, path))
+                    dropping.set()
+                upstream.sendall(head + b"\r\n\r\n" + body)
+        except OSError:
+            _close(client, upstream)
+
+    def _answers(self, upstream: socket.socket, client: socket.socket, dropping: threading.Event) -> None:
+        """Server -> client, byte for byte; once the server answers a dropped request, both
+        connections close and the client never sees that answer."""
+        try:
+            while True:
+                data = upstream.recv(65536)
+                if not data or dropping.is_set():
+                    return _close(client, upstream)  # (the server has answered: the request took effect)
+                client.sendall(data)
+        except OSError:
+            _close(client, upstream)
+
+
+def _close(*socks: socket.socket) -> None:
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
