@@ -20,22 +20,34 @@ from urllib.parse import urlsplit
 Rule = Callable[[str, str], bool]
 
 
-#: what the proxy answers a request ``fail`` picks: S3's answer to a server error
-SERVER_ERROR = (b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n\r\n")
-SERVER_ERROR_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code><Message>We '
-                     b"encountered an internal error. Please try again.</Message><RequestId>1</RequestId></Error>")
+#: what the proxy answers a request ``fail`` picks, by status: S3's answers (a server error; a
+#: conditional write racing another, as AWS answers it)
+ANSWERS = {
+    500: ("500 Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
+    409: ("409 Conflict", "ConditionalRequestConflict",
+          "A conflicting conditional operation is currently in progress against this resource. Please try again."),
+}
+
+
+def _answer(status: int) -> bytes:
+    line, code, message = ANSWERS[status]
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+            "<RequestId>1</RequestId></Error>").encode()
+    return (f"HTTP/1.1 {line}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 class FaultProxy:
     """Relays connections to ``upstream`` (``http://host:port``), dropping the answer to each
-    request ``drop(method, path)`` picks, and answering each that ``fail`` picks with a 500
-    itself; :attr:`dropped` and :attr:`failed` list those requests."""
+    request ``drop(method, path)`` picks, and answering each that ``fail`` picks itself with
+    ``status`` (500, or 409); :attr:`dropped` and :attr:`failed` list those requests."""
 
-    def __init__(self, upstream: str, drop: Rule = lambda m, p: False, fail: Rule = lambda m, p: False) -> None:
+    def __init__(self, upstream: str, drop: Rule = lambda m, p: False, fail: Rule = lambda m, p: False,
+                 status: int = 500) -> None:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.drop = drop
         self.fail = fail
+        self.status = status
         self.dropped: list[tuple[str, str]] = []
         self.failed: list[tuple[str, str]] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -87,7 +99,7 @@ class FaultProxy:
                 body, buf = buf[:length], buf[length:]
                 if self.fail(method, path):
                     self.failed.append((method, path))
-                    client.sendall(SERVER_ERROR % len(SERVER_ERROR_BODY) + SERVER_ERROR_BODY)
+                    client.sendall(_answer(self.status))
                     continue
                 if self.drop(method, path):
                     self.dropped.append((method, path))

@@ -152,10 +152,10 @@ def race_rounds(n: int) -> dict[str, object]:
 def rclone_refused() -> str:
     with RcloneS3() as server:
         server.create_bucket(BUCKET)
-        try:
-            amber.open(f"s3://{BUCKET}/run", server.storage_options())
+        try:  # (a new store is checked at its first save: opening creates nothing)
+            amber.open(f"s3://{BUCKET}/run", server.storage_options()).save(1, {"x": torch.ones(1)})
         except amber.UnsafeStorageError:
-            return "refused at open (UnsafeStorageError)"
+            return "refused at its first save (UnsafeStorageError), before any data"
         return "NOT refused"
 
 

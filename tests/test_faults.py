@@ -699,7 +699,7 @@ def test_what_a_killed_save_leaves_is_reported_by_ls_du_and_the_next_writable_op
     assert "uncommitted: 1 attempt(s) no committed step uses hold" in ls and f"amber-store gc {uri}" in ls
     du = json.loads(subprocess.run([*cli, "du", uri, "--json"], capture_output=True, text=True, timeout=120).stdout)
     on_disk = sum(f.stat().st_size for f in (tmp_path / "ckpt" / stray.group).rglob("*") if f.is_file())
-    assert du["uncommitted"] == {"attempts": 1, "maybe_saving": 0, "bytes": on_disk}
+    assert du["uncommitted"] == {"attempts": 1, "maybe_saving": 0, "bytes": on_disk, "uploads": 0}
     store.gc()
     assert sync(History(resolve(uri)).stray_attempts()) == []
     with warnings.catch_warnings():

@@ -39,11 +39,10 @@ def test_sparse_error_stays_within_one_steps_threshold_over_a_50_step_chain(loca
     threshold = 0.02
     store = local_store(codec=amber.SparseDeltaCodec(threshold=threshold), full_every=1000, chunk_bytes=8192,
                         base_policy="chain")
-    reader = local_store(mode="r")
     worst = 0.0
     for step, w in drift(50):
         info = store.save(step, {"w": w})
-        restored = reader.load(step)["w"].materialize()
+        restored = local_store(mode="r").load(step)["w"].materialize()
         err = (restored - w).abs()
         # dropped updates are bounded relative to the restored value; kept ones are exact
         assert bool((err <= threshold * restored.abs() * (1 + 1e-6)).all()), step
@@ -57,11 +56,10 @@ def test_sparse_error_stays_within_one_steps_threshold_over_a_50_step_chain(loca
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_error_stays_within_half_a_step_scale_over_a_50_step_chain(local_store, bits, diff_path):
     store = local_store(codec=f"quant{bits}", full_every=1000, chunk_bytes=8192, base_policy="chain")
-    reader = local_store(mode="r")
     for step, w in drift(50):
         store.save(step, {"w": w})
         entry = store.manifest(step).tensors["w"]
-        restored = reader.load(step)["w"].materialize()
+        restored = local_store(mode="r").load(step)["w"].materialize()
         if step == 1:
             assert_bit_equal(restored, w)  # full steps are lossless
             continue
@@ -92,12 +90,11 @@ def per_block(x: torch.Tensor, chunk_rows: int, block: int, reduce) -> torch.Ten
 def test_block_delta_error_stays_within_half_a_block_step_over_a_50_step_chain(local_store, step, diff_path):
     codec = amber.BlockDeltaCodec(step=step, block=64)
     store = local_store(codec=codec, full_every=1000, chunk_bytes=8192, base_policy="chain")
-    reader = local_store(mode="r")
     restored = None
     for n, w in drift(50):
         store.save(n, {"w": w})
         entry = store.manifest(n).tensors["w"]
-        previous, restored = restored, reader.load(n)["w"].materialize()
+        previous, restored = restored, local_store(mode="r").load(n)["w"].materialize()
         if previous is None:
             assert_bit_equal(restored, w)
             continue
@@ -127,14 +124,13 @@ def test_a_block_whose_values_collapse_takes_the_step_its_largest_change_needs(l
 def test_ratio_delta_keeps_relative_error_within_half_a_step_and_exact_zeros(local_store, diff_path):
     codec = amber.RatioDeltaCodec(step=0.1)
     store = local_store(codec=codec, full_every=1000, chunk_bytes=8192, base_policy="chain")
-    reader = local_store(mode="r")
     for n, w in drift(30):
         v = w.square()
         v[0, :5] = 0.0  # never-updated second moments stay exactly zero
         if n == 20:
             v[1, 0] = 3.0e30  # far beyond the code range: stored exact
         store.save(n, {"v": v})
-        restored = reader.load(n)["v"].materialize()
+        restored = local_store(mode="r").load(n)["v"].materialize()
         ratio = restored[v > 0] / v[v > 0]
         assert bool((ratio <= 1.1 ** 0.5 * (1 + 1e-6)).all() and (ratio >= 1.1 ** -0.5 * (1 - 1e-6)).all()), n
         assert_bit_equal(restored[0, :5], v[0, :5])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -151,3 +152,14 @@ def test_a_server_that_stopped_serving_is_started_afresh_on_its_ports_with_its_b
         store = amber.open(f"gs://{BUCKET}/{uuid.uuid4().hex}", server.storage_options())
         store.save(1, {"x": torch.ones(2)})
         assert store.steps() == [1]
+
+
+def test_an_unreachable_s3_endpoint_fails_at_open_within_seconds_in_one_line():
+    from backends.process import free_port
+
+    t0 = time.monotonic()
+    with pytest.raises(amber.StorageAccessError) as err:
+        amber.open("s3://bucket/run", {"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "k", "secret": "s"})
+    assert time.monotonic() - t0 < 10
+    message = str(err.value)
+    assert "\n" not in message and "retries" not in message and "storage not usable" in message, message

@@ -78,9 +78,9 @@ def test_a_frozen_server_fails_saves_within_their_deadline_and_reads_within_requ
     server = own_object_server
     uri, opts = store_uri(server), server.storage_options()
     store = amber.open(uri, opts, pack_threshold=0, save_timeout=3)
-    reader = amber.open(uri, server.quick_options(), mode="r")
     s1 = layer_state(1)
     store.save(1, s1)
+    reader = amber.open(uri, server.quick_options(), mode="r")
     lazy = reader.load(1)  # its manifest is read now, its tensors when used
     after_first_object(monkeypatch, server.freeze)
     try:
@@ -135,8 +135,8 @@ def test_racing_writers_commit_exactly_one_and_the_loser_gets_concurrent_writer_
     barrier = threading.Barrier(2, timeout=60)
     real = backend_class.put_if_absent
 
-    async def at_once(self, key, data):  # both writers create the manifest at the same moment
-        if key.startswith("commits/"):
+    async def at_once(self, key, data):  # both writers claim the same base at the same moment (the commit's race)
+        if key.startswith("claims/"):
             await asyncio.to_thread(barrier.wait)  # not on the event loop both writers share
         return await real(self, key, data)
 

@@ -369,3 +369,20 @@ def _s3_args(server) -> list[str]:
     opts = server.storage_options()
     return ["--endpoint-url", opts["endpoint_url"], "--storage-option", f"key={opts['key']}",
             "--storage-option", f"secret={opts['secret']}"]
+
+
+@pytest.mark.s3
+def test_a_commit_answered_409_by_a_racing_conditional_write_is_asked_again(s3_server):
+    answered: list[str] = []
+
+    def conflict_twice(method: str, path: str) -> bool:  # (as AWS answers a create racing another)
+        if method == "PUT" and "/commits/" in path and len(answered) < 2:
+            answered.append(path)
+            return True
+        return False
+
+    with FaultProxy(s3_server.endpoint, fail=conflict_twice, status=409) as proxy:
+        opts = {**s3_server.storage_options(), "endpoint_url": proxy.endpoint}
+        store = amber.open(f"s3://{BUCKET}/{uuid.uuid4().hex}", opts)
+        assert store.save(1, {"x": torch.ones(4)}).step == 1
+    assert len(answered) == 2 and store.steps() == [1]

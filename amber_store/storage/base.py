@@ -208,4 +208,5 @@ def reason(e: BaseException) -> str:
         return f"{name}: the server answered {status.group(1) if status else 'with an error'}" + \
             (f" ({': '.join(said)})" if said else "")
     text = re.sub(r"(https?://[^/\s]+)\S*", r"\1", text)  # (a request's path and query: noise)
+    text = re.sub(r" in [\d.]+[mµn]?s\b|,? after \d+ retries, max_retries: \d+, retry_timeout: \S+", "", text)
     return f"{name}: {text}"[:300]

@@ -32,6 +32,8 @@ S3_CLIENT: dict[str, Any] = {"connect_timeout": "5s", "read_timeout": "15s", "ti
 S3_RETRY: dict[str, Any] = {"max_retries": 3, "retry_timeout": datetime.timedelta(seconds=60)}
 #: Objects above this size are uploaded in parts of this size, several at once.
 PART_BYTES = 64 << 20
+#: Times a conditional create answered 409 (another conditional write racing it) is asked again.
+CONFLICT_RETRIES = 5
 #: How long a failed upload in parts may spend aborting itself.
 ABORT_SECONDS = 30.0
 #: Options that only s3fs understands: with any of them, the store goes through s3fs.
@@ -187,11 +189,19 @@ class ObstoreS3Backend(ObjectStoreBackend):
         import obstore
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
-        try:
-            await self.bounded(obstore.put_async(self.client, key, data, mode="create", use_multipart=False))
-        except (AlreadyExistsError, PreconditionError):
-            return False
-        return True
+        attempt = 0
+        while True:
+            try:
+                await self.bounded(obstore.put_async(self.client, key, data, mode="create", use_multipart=False))
+                return True
+            except (AlreadyExistsError, PreconditionError) as e:
+                # AWS answers 409 (ConditionalRequestConflict) to a conditional write racing
+                # another on the same key, which obstore reports as "exists": neither has won
+                # yet, so ask again (a 412 is the answer that the object exists)
+                if attempt == CONFLICT_RETRIES or re.search(r"status code:? 409\b", str(e)) is None:
+                    return False
+            await asyncio.sleep(0.05 * 2**attempt)
+            attempt += 1
 
     async def remove(self, key: str) -> None:
         import obstore  # (S3 deletes are idempotent: a missing key is no error)
