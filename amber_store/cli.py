@@ -337,7 +337,7 @@ def parser() -> argparse.ArgumentParser:
                     help="where to checkpoint (default ./amber-demo; the lossy store goes beside it, URI-lossy); an "
                          "earlier demo's stores there are wiped first, any other store only with --force")
     sp.add_argument("--force", action="store_true", help="wipe the amber-store at --uri even if not the demo's")
-    sp.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    sp.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     sp.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     sp.add_argument("--full-every", type=int, default=10, help="a full step every N checkpoints")
     sp.set_defaults(func=cmd_demo)

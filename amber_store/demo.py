@@ -146,7 +146,7 @@ def _refuse_foreign(uri: str) -> None:
                 "wipes its location first: choose another --uri, or pass --force to wipe them")
 
 
-def run(uri: str = "./amber-demo", *, steps: int = 300, every: int = 10, full_every: int = 10,
+def run(uri: str = "./amber-demo", *, steps: int = 200, every: int = 10, full_every: int = 10,
         out: Callable[[str], None] = print, progress: bool = True, force: bool = False) -> dict[str, Any]:
     """Train, checkpoint every ``every`` steps with the lossless default into ``uri`` and with the
     ``"lossy"`` preset into ``uri + "-lossy"``, compare both with torch.save, open a historical

@@ -92,10 +92,10 @@ class CheckpointManager:
         def open_here() -> None:
             self.store = dcp._process(uri, storage_options, options).store
 
-        rank = dist.get_rank()
-        _together(lambda: open_here() if rank == 0 else None, src=0, what=f"{uri}: the coordinator (rank 0) "
-                  "could not open the store")
-        _together(lambda: open_here() if rank != 0 else None, src=None, what=f"{uri}: rank(s) could not open the store")
+        coordinator = dist.get_rank() == 0
+        _together(open_here if coordinator else lambda: None, src=0,
+                  what=f"{uri}: the coordinator (rank 0) could not open the store")
+        _together(lambda: None if coordinator else open_here(), src=None, what=f"{uri}: rank(s) could not open the store")
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "CheckpointManager":
