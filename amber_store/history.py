@@ -84,6 +84,8 @@ GROUP_NAME = re.compile(r"(\d{12})-[0-9a-f]+")
 CLAIM_GRACE_SECONDS = 180.0
 #: claims of one parent step tried before a commit gives up
 MAX_CLAIMS = 100
+#: a claim's name under ``claims/``: its parent step (or ``start``), then its number
+CLAIM_NAME = re.compile(r"(\d{12}|start)-\d+\.json")
 #: how old an attempt of a step newer than the latest commit must be before it is taken for
 #: the remains of a dead save, rather than a save in progress (gc's ``grace_seconds``)
 GRACE_SECONDS = 3600.0
@@ -416,6 +418,25 @@ class History:
                     "committed")
         raise ConcurrentWriterError(f"{self.uri}: {MAX_CLAIMS} abandoned commits of steps after step {parent}: "
                                     "too many writers died committing; this save was not committed")
+
+    async def spent_claims(self) -> list[str]:
+        """Keys of claims no commit will consult again: of a parent older than the latest step
+        (or of an empty store's start, once it has steps), made more than
+        :data:`CLAIM_GRACE_SECONDS` ago (a writer that listed before the latest step landed has
+        committed or failed by then). Unreadable ones go too."""
+        steps = await self.steps()
+        if not steps:
+            return []
+        spent = []
+        async for name in self.backend.list_dir(fmt.CLAIMS_DIR):
+            found = CLAIM_NAME.fullmatch(name)
+            if found is None or (found.group(1) != "start" and int(found.group(1)) >= steps[-1]):
+                continue
+            raw = await self.backend.get(f"{fmt.CLAIMS_DIR}/{name}")
+            claim = _claim_of(raw.to_bytes()) if raw is not None else None
+            if raw is not None and (claim is None or time.time() - claim["time"] > CLAIM_GRACE_SECONDS):
+                spent.append(f"{fmt.CLAIMS_DIR}/{name}")
+        return sorted(spent)
 
     async def _dead(self, claim: dict[str, Any]) -> bool:
         """Whether a claim's commit never landed and never will: its step is not committed, and its

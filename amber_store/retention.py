@@ -199,6 +199,7 @@ def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool =
     if dry_run:  # what the sweep will find once the folds have replaced their steps' entries
         kept = [_without(sync(history.manifest(k)), folds[k]) for k in keep]
         report.orphans, report.spared = sync(_unreferenced(history, kept, steps, grace_seconds))
+        report.orphans = sorted(report.orphans + sync(history.spent_claims()))
         report.objects_removed = len(report.orphans)
         report.uploads = sync(_abort_uploads(history, grace_seconds, dry_run=True))
         report.seconds = time.perf_counter() - t0
@@ -219,7 +220,10 @@ def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool =
                 f"({len(report.orphans)} objects were freed first); free some space, or keep the steps it "
                 "depends on (a larger --keep-last) and run gc again") from e
     _drop(report, history, sorted(read_by_folds), keep, steps, grace_seconds)
-    report.orphans.sort()
+    claims = sync(history.spent_claims())
+    sync(_delete_all(history, claims))
+    report.orphans = sorted(report.orphans + claims)
+    report.objects_removed += len(claims)
     report.uploads = sync(_abort_uploads(history, grace_seconds))
     report.seconds = time.perf_counter() - t0
     return report

@@ -386,3 +386,20 @@ def test_a_commit_answered_409_by_a_racing_conditional_write_is_asked_again(s3_s
         store = amber.open(f"s3://{BUCKET}/{uuid.uuid4().hex}", opts)
         assert store.save(1, {"x": torch.ones(4)}).step == 1
     assert len(answered) == 2 and store.steps() == [1]
+
+
+def test_gc_deletes_the_claims_no_commit_will_consult_again(local_store, tmp_path):
+    store = local_store()
+    for step in (1, 2, 3):
+        store.save(step, {"x": torch.full((4,), float(step))})
+    claims = tmp_path / "ckpt" / "claims"
+    assert sorted(p.name for p in claims.iterdir()) == ["000000000001-0.json", "000000000002-0.json", "start-0.json"]
+    for name in ("start-0.json", "000000000001-0.json"):  # as if made long ago
+        claim = json.loads((claims / name).read_text())
+        (claims / name).write_text(json.dumps({**claim, "time": claim["time"] - 3600}))
+    report = store.gc()
+    assert {f"claims/{n}" for n in ("start-0.json", "000000000001-0.json")} <= set(report.orphans)
+    # step 3's claim on step 2 is young: a job that listed before step 3 landed may still race it
+    assert sorted(p.name for p in claims.iterdir()) == ["000000000002-0.json"]
+    store.save(4, {"x": torch.zeros(4)})
+    assert local_store(mode="r").steps() == [1, 2, 3, 4]
