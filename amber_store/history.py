@@ -118,6 +118,8 @@ class History:
         self.backend = backend
         self.writer_id = uuid.uuid4().hex[:12]
         self.last_commit: int | None = None
+        #: a manifest whose create was sent and whose answer never came (:meth:`settle`)
+        self.unsettled: Manifest | None = None
         self._manifests: OrderedDict[int, asyncio.Future[Manifest]] = OrderedDict()
         self._cache_size = MANIFEST_CACHE
 
@@ -386,11 +388,34 @@ class History:
             )
         await self._claim(manifest, now)
         key = fmt.commit_key(manifest.step)
-        if not await self.backend.put_if_absent(key, manifest.to_json()) and not await self._is_ours(key, manifest):
+        self.unsettled = manifest  # (until the create's outcome is known)
+        created = await self.backend.put_if_absent(key, manifest.to_json())
+        ours = created or await self._is_ours(key, manifest)
+        self.unsettled = None
+        if not ours:
             raise ConcurrentWriterError(
                 f"{self.uri}: another writer committed step {manifest.step} first; this save "
                 f"(attempt {manifest.attempt}) was not committed and its data is orphaned"
             )
+
+    async def settle(self) -> bool:
+        """Learn the outcome of a commit whose answer never came, by sending its create again:
+        the step is then committed (by that request or this one), or another writer's manifest
+        holds its key. Either way the first request, should it land late (a server that was
+        frozen, then thawed), can no longer create anything, so no later gc can delete the data
+        of a step that lands afterwards. Whether it is committed by this writer (call it only
+        with :attr:`unsettled` set)."""
+        manifest = self.unsettled
+        assert manifest is not None
+        key = fmt.commit_key(manifest.step)
+        with storage_errors(self.uri, f"settling the commit of step {manifest.step}, whose answer never came"):
+            ours = await self.backend.bounded(self.backend.put_if_absent(key, manifest.to_json())) or \
+                await self._is_ours(key, manifest)
+        self.unsettled = None
+        if ours:
+            self.remember(manifest)
+            self.last_commit = max(manifest.step, self.last_commit if self.last_commit is not None else -1)
+        return ours
 
     async def _claim(self, manifest: Manifest, parent: int | None) -> None:
         """Claim ``parent`` (the newest committed step, ``None`` in an empty store) as the step

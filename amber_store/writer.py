@@ -109,6 +109,11 @@ class Writer:
         if self.root_version is None:  # the store's first save: it comes into being now
             doing.append("creating the store")
             self.root_version = await history.create(exclusive_commits=not self.options.single_writer)
+        unsettled = history.unsettled
+        if unsettled is not None:  # the last commit's answer never came: learn its outcome first
+            doing.append(f"settling the commit of step {unsettled.step}")
+            if not await history.settle():
+                await self.discard(unsettled.group)  # another writer's manifest holds its key
         doing.append("listing the steps")
         steps = await history.steps()
         latest = steps[-1] if steps else None

@@ -403,3 +403,40 @@ def test_gc_deletes_the_claims_no_commit_will_consult_again(local_store, tmp_pat
     assert sorted(p.name for p in claims.iterdir()) == ["000000000002-0.json"]
     store.save(4, {"x": torch.zeros(4)})
     assert local_store(mode="r").steps() == [1, 2, 3, 4]
+
+
+def test_a_commit_without_an_answer_is_settled_by_the_next_save_so_a_late_landing_changes_nothing(make_store,
+                                                                                                  monkeypatch):
+    """A frozen server that thaws may apply a commit long after its writer gave up: the next save
+    first sends the create again, so the step is committed (and gc keeps its data) and the late
+    request finds its key taken."""
+    store = make_store()
+    states = {k: {"x": torch.full((64,), float(k))} for k in (1, 2, 3)}
+    store.save(1, states[1])
+    backend = store.history.backend
+    real = backend.put_if_absent
+    held: list[tuple[str, bytes]] = []
+
+    async def held_by_a_frozen_server(key, data):
+        if key.startswith("commits/"):
+            held.append((key, data))  # (applied later, when the server thaws)
+            raise TimeoutError
+        return await real(key, data)
+
+    monkeypatch.setattr(backend, "put_if_absent", held_by_a_frozen_server)
+    with pytest.raises(amber.StorageAccessError, match="commit of step 2 got no answer in time"):
+        store.save(2, states[2])
+    monkeypatch.undo()
+    store.save(3, states[3])  # settles step 2 first
+    store.gc()  # no stray attempt to delete: step 2 is committed
+    sync_put(real, *held[0])  # the thawed server's request: the key is taken (by these very bytes)
+    reader = make_store(mode="r")
+    assert reader.steps() == [1, 2, 3]
+    for k in (1, 2, 3):
+        assert_tree_bit_equal(reader.load(k, lazy=False), states[k])
+
+
+def sync_put(put, key: str, data: bytes) -> bool:
+    from zarr.core.sync import sync
+
+    return sync(put(key, data))
