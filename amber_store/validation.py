@@ -67,7 +67,8 @@ def parse_manifest(data: bytes) -> fmt.Manifest:
         raise Invalid(f"format {d.get('format')!r} is not {fmt.FORMAT_NAME!r}")
     try:
         tensors = d["tensors"]
-        _expect(isinstance(tensors, dict), "tensors is not an object")
+        if not isinstance(tensors, dict):
+            raise Invalid("tensors is not an object")
         d["tensors"] = {k: fmt.TensorEntry(**_object(v, f"tensor {k!r}")) for k, v in tensors.items()}
         m = fmt.Manifest(**d)
     except (KeyError, TypeError) as e:
@@ -78,19 +79,26 @@ def parse_manifest(data: bytes) -> fmt.Manifest:
 
 def validate(m: fmt.Manifest) -> None:
     """Check a parsed manifest's consistency (see the module's docstring); raises :class:`Invalid`."""
-    _expect(_is_int(m.step) and m.step >= 0, f"step {m.step!r} is not a step")
-    _expect(m.kind in ("full", "delta"), f"kind {m.kind!r}")
-    _expect(m.base is None or (_is_int(m.base) and 0 <= m.base < m.step), f"base {m.base!r} is not an earlier step")
-    _expect(_is_int(m.depth) and m.depth >= 0, f"depth {m.depth!r}")
-    _expect(isinstance(m.segment, list) and all(_is_int(s) and s <= m.step for s in m.segment),
-            f"segment {m.segment!r}")
-    _expect(isinstance(m.extra, dict), "extra is not an object")
-    _expect(isinstance(m.packs, dict), "packs is not an object")
+    if not (_is_int(m.step) and m.step >= 0):
+        raise Invalid(f"step {m.step!r} is not a step")
+    if m.kind not in ("full", "delta"):
+        raise Invalid(f"kind {m.kind!r}")
+    if not (m.base is None or (_is_int(m.base) and 0 <= m.base < m.step)):
+        raise Invalid(f"base {m.base!r} is not an earlier step")
+    if not (_is_int(m.depth) and m.depth >= 0):
+        raise Invalid(f"depth {m.depth!r}")
+    if not (isinstance(m.segment, list) and all(_is_int(s) and s <= m.step for s in m.segment)):
+        raise Invalid(f"segment {m.segment!r}")
+    if not isinstance(m.extra, dict):
+        raise Invalid("extra is not an object")
+    if not isinstance(m.packs, dict):
+        raise Invalid("packs is not an object")
     check_key(m.group, f"{fmt.STEPS_DIR}/")
     for name, info in m.packs.items():
         _check_pack(name, _object(info, f"pack {name!r}"))
     for key, e in m.tensors.items():
-        _expect(isinstance(key, str) and key != "", f"tensor key {key!r}")
+        if not (isinstance(key, str) and key != ""):
+            raise Invalid(f"tensor key {key!r}")
         try:
             _check_entry(m, e)
         except Invalid as err:
@@ -110,53 +118,68 @@ def validate(m: fmt.Manifest) -> None:
 
 
 def _check_entry(m: fmt.Manifest, e: fmt.TensorEntry) -> None:
-    _expect(_named(e.dtype, fmt.ITEMSIZES), f"dtype {e.dtype!r} is unknown")
-    _expect(_named(e.encoding, _ENCODINGS), f"encoding {e.encoding!r} is unknown")
+    if not _named(e.dtype, fmt.ITEMSIZES):
+        raise Invalid(f"dtype {e.dtype!r} is unknown")
+    if not _named(e.encoding, _ENCODINGS):
+        raise Invalid(f"encoding {e.encoding!r} is unknown")
     shape, chunks = _ints(e.shape, "shape"), _ints(e.chunks, "chunks")
-    _expect(len(chunks) == len(shape), f"chunks {chunks} do not match shape {shape}")
-    _expect(all(1 <= c <= max(1, s) for s, c in zip(shape, chunks)), f"chunks {chunks} do not fit shape {shape}")
+    if len(chunks) != len(shape):
+        raise Invalid(f"chunks {chunks} do not match shape {shape}")
+    if not (all(1 <= c <= max(1, s) for s, c in zip(shape, chunks))):
+        raise Invalid(f"chunks {chunks} do not fit shape {shape}")
     item = fmt.ITEMSIZES[e.dtype]
-    _expect(math.prod(chunks) * item <= MAX_CHUNK_BYTES,
-            f"a chunk of {chunks} x {item} bytes is over the {MAX_CHUNK_BYTES}-byte limit")
-    _expect(_is_int(e.nbytes) and e.nbytes == math.prod(shape) * item,
-            f"nbytes {e.nbytes!r} is not shape {shape} x {item} bytes")
+    if math.prod(chunks) * item > MAX_CHUNK_BYTES:
+        raise Invalid(f"a chunk of {chunks} x {item} bytes is over the {MAX_CHUNK_BYTES}-byte limit")
+    if not (_is_int(e.nbytes) and e.nbytes == math.prod(shape) * item):
+        raise Invalid(f"nbytes {e.nbytes!r} is not shape {shape} x {item} bytes")
     n = math.prod(fmt.chunk_grid(tuple(shape), tuple(chunks)))
     lengths = (n,) if n else (0, 1)  # (an empty tensor's one checksum is of nothing)
-    _expect(isinstance(e.crc32c, list) and len(e.crc32c) in lengths and all(_is_int(c) for c in e.crc32c),
-            f"{n} chunks need {n} checksums")
-    _expect(_is_int(e.stored) and e.stored >= 0, f"stored {e.stored!r}")
-    _expect(e.params is None or isinstance(e.params, dict), "params is not an object")
+    if not (isinstance(e.crc32c, list) and len(e.crc32c) in lengths and all(type(c) is int for c in e.crc32c)):
+        raise Invalid(f"{n} chunks need {n} checksums")
+    if not (_is_int(e.stored) and e.stored >= 0):
+        raise Invalid(f"stored {e.stored!r}")
+    if not (e.params is None or isinstance(e.params, dict)):
+        raise Invalid("params is not an object")
     if e.encoding != "full":
-        _expect(_is_int(e.base) and 0 <= e.base < m.step, f"base {e.base!r} is not an earlier step")
+        if not (_is_int(e.base) and 0 <= e.base < m.step):
+            raise Invalid(f"base {e.base!r} is not an earlier step")
     if e.encoding == "same":
         return
     if e.array is not None:
         check_key(e.array, f"{fmt.STEPS_DIR}/")
     if e.index is not None:
-        _expect(e.array is not None and isinstance(e.index, list) and len(e.index) in lengths,
-                f"{n} chunks need an array and {n} index entries")
+        if not (e.array is not None and isinstance(e.index, list) and len(e.index) in lengths):
+            raise Invalid(f"{n} chunks need an array and {n} index entries")
         for loc in e.index:
-            _expect(loc is None or (isinstance(loc, list) and len(loc) == 2 and all(_is_int(v) and v >= 0 for v in loc)),
-                    f"index entry {loc!r}")
+            if not (loc is None or (isinstance(loc, list) and len(loc) == 2
+                                    and all(_is_int(v) and v >= 0 for v in loc))):
+                raise Invalid(f"index entry {loc!r}")
     if e.pack is not None:
         p = e.pack
-        _expect(isinstance(p, list) and len(p) == 3 and _is_int(p[1]) and _is_int(p[2]) and p[1] >= 0
-                and (p[2] == 0 or (p[2] > 0 and _named(p[0], m.packs) and p[1] + p[2] <= m.packs[p[0]]["nbytes"])),
-                f"pack location {p!r} is not inside a pack of the step")
-        _expect(e.nbytes <= MAX_CHUNK_BYTES, "a packed tensor is over the chunk limit")
-        _expect(e.encoding != "full" or p[2] in (0, e.nbytes), f"{p[2]} packed bytes hold no {e.nbytes} bytes of values")
-    _expect(e.index is None or e.pack is None, "both an index and a pack")
-    _expect(e.array is not None or e.pack is not None, "no data named")
+        if not (isinstance(p, list) and len(p) == 3 and _is_int(p[1]) and _is_int(p[2]) and p[1] >= 0
+                and (p[2] == 0 or (p[2] > 0 and _named(p[0], m.packs) and p[1] + p[2] <= m.packs[p[0]]["nbytes"]))):
+            raise Invalid(f"pack location {p!r} is not inside a pack of the step")
+        if e.nbytes > MAX_CHUNK_BYTES:
+            raise Invalid("a packed tensor is over the chunk limit")
+        if not (e.encoding != "full" or p[2] in (0, e.nbytes)):
+            raise Invalid(f"{p[2]} packed bytes hold no {e.nbytes} bytes of values")
+    if e.index is not None and e.pack is not None:
+        raise Invalid("both an index and a pack")
+    if e.array is None and e.pack is None:
+        raise Invalid("no data named")
 
 
 def _check_pack(name: str, info: dict[str, Any]) -> None:
     check_key(info.get("array"), f"{fmt.STEPS_DIR}/")
     chunk, nbytes, index = info.get("chunk"), info.get("nbytes"), info.get("index")
-    _expect(_is_int(chunk) and 1 <= chunk <= MAX_CHUNK_BYTES, f"pack {name!r}: chunk {chunk!r}")
-    _expect(_is_int(nbytes) and nbytes >= 0, f"pack {name!r}: nbytes {nbytes!r}")
-    _expect(isinstance(index, list) and len(index) == -(-nbytes // chunk)
-            and all(isinstance(loc, list) and len(loc) == 2 and all(_is_int(v) and v >= 0 for v in loc) for loc in index),
-            f"pack {name!r}: its index does not list its {-(-nbytes // chunk)} chunks")
+    if not (_is_int(chunk) and 1 <= chunk <= MAX_CHUNK_BYTES):
+        raise Invalid(f"pack {name!r}: chunk {chunk!r}")
+    if not (_is_int(nbytes) and nbytes >= 0):
+        raise Invalid(f"pack {name!r}: nbytes {nbytes!r}")
+    if not (isinstance(index, list) and len(index) == -(-nbytes // chunk)
+            and all(isinstance(loc, list) and len(loc) == 2 and all(_is_int(v) and v >= 0 for v in loc)
+                    for loc in index)):
+        raise Invalid(f"pack {name!r}: its index does not list its {-(-nbytes // chunk)} chunks")
 
 
 def _check_layout(m: fmt.Manifest, state: dict[str, Any]) -> set[str]:
@@ -165,18 +188,21 @@ def _check_layout(m: fmt.Manifest, state: dict[str, Any]) -> set[str]:
     tensors, values = _object(state.get("tensors"), "dcp tensors"), _object(state.get("values"), "dcp values")
     for name, t in tensors.items():
         t = _object(t, f"dcp tensor {name!r}")
-        _expect(_named(t.get("dtype"), fmt.ITEMSIZES), f"dcp tensor {name!r}: dtype {t.get('dtype')!r}")
+        if not _named(t.get("dtype"), fmt.ITEMSIZES):
+            raise Invalid(f"dcp tensor {name!r}: dtype {t.get('dtype')!r}")
         shape = _ints(t.get("shape"), f"dcp tensor {name!r} shape")
-        _expect(isinstance(t.get("shards"), list), f"dcp tensor {name!r}: shards")
+        if not isinstance(t.get("shards"), list):
+            raise Invalid(f"dcp tensor {name!r}: shards")
         for shard in t["shards"]:
-            _expect(isinstance(shard, list) and len(shard) == 2 and _named(shard[1], m.tensors),
-                    f"dcp tensor {name!r}: shard {shard!r} names no item of the step")
+            if not (isinstance(shard, list) and len(shard) == 2 and _named(shard[1], m.tensors)):
+                raise Invalid(f"dcp tensor {name!r}: shard {shard!r} names no item of the step")
             offset, item = _ints(shard[0], "shard offset"), m.tensors[shard[1]]
-            _expect(item.dtype == t["dtype"] and len(offset) == len(shape) == len(item.shape)
-                    and all(o + s <= n for o, s, n in zip(offset, item.shape, shape)),
-                    f"dcp tensor {name!r}: shard {shard[1]!r} does not fit {t['dtype']}{shape}")
+            if not (item.dtype == t["dtype"] and len(offset) == len(shape) == len(item.shape)
+                    and all(o + s <= n for o, s, n in zip(offset, item.shape, shape))):
+                raise Invalid(f"dcp tensor {name!r}: shard {shard[1]!r} does not fit {t['dtype']}{shape}")
     for name, item in values.items():
-        _expect(_named(item, m.tensors), f"dcp value {name!r} names no item of the step")
+        if not _named(item, m.tensors):
+            raise Invalid(f"dcp value {name!r} names no item of the step")
     return set(tensors) | set(values)
 
 
@@ -192,38 +218,48 @@ def check_tree(tree: Any, names: set[str]) -> None:
 def _check_tree(node: Any, names: set[str], depth: int) -> None:
     """The state tree's containers and that its tensor leaves name ``names`` (leaf bodies are
     checked as they are built: :func:`amber_store.format.unflatten`)."""
-    _expect(depth < MAX_TREE_DEPTH, "the state tree nests too deep")
-    _expect(isinstance(node, dict) and len(node) >= 1, f"tree node {node!r}")
+    if depth >= MAX_TREE_DEPTH:
+        raise Invalid("the state tree nests too deep")
+    if not (isinstance(node, dict) and len(node) >= 1):
+        raise Invalid(f"tree node {node!r}")
     kind, body = next(iter(node.items()))
     if kind == "tensor" or kind == "ndarray":
-        _expect(_named(body, names), f"the state tree names tensor {body!r}, which the step lacks")
+        if not _named(body, names):
+            raise Invalid(f"the state tree names tensor {body!r}, which the step lacks")
     elif kind in ("dict", "odict"):
-        _expect(isinstance(body, list), f"{kind} node is not a list")
+        if not isinstance(body, list):
+            raise Invalid(f"{kind} node is not a list")
         for pair in body:
-            _expect(isinstance(pair, list) and len(pair) == 2, f"{kind} item {pair!r}")
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise Invalid(f"{kind} item {pair!r}")
             if isinstance(pair[0], dict):
                 _check_tree(pair[0], names, depth + 1)
             else:
-                _expect(pair[0] is None or isinstance(pair[0], (str, int, float, bool)), f"dict key {pair[0]!r}")
+                if not (pair[0] is None or isinstance(pair[0], (str, int, float, bool))):
+                    raise Invalid(f"dict key {pair[0]!r}")
             _check_tree(pair[1], names, depth + 1)
         if kind == "odict" and "metadata" in node:
             _check_tree(node["metadata"], names, depth + 1)
     elif kind in _CONTAINERS:
-        _expect(isinstance(body, list), f"{kind} node is not a list")
+        if not isinstance(body, list):
+            raise Invalid(f"{kind} node is not a list")
         for child in body:
             _check_tree(child, names, depth + 1)
     elif kind == "value":
-        _expect(body is None or isinstance(body, (str, int, float, bool)), f"value {body!r} is not a plain value")
+        if not (body is None or isinstance(body, (str, int, float, bool))):
+            raise Invalid(f"value {body!r} is not a plain value")
     # other kinds: leaves checked as they are built, or a newer format's (unflatten refuses those)
 
 
 def _object(v: Any, what: str) -> dict[str, Any]:
-    _expect(isinstance(v, dict), f"{what} is not an object")
+    if not isinstance(v, dict):
+        raise Invalid(f"{what} is not an object")
     return v
 
 
 def _ints(v: Any, what: str) -> list[int]:
-    _expect(isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v), f"{what} {v!r} is not a list of sizes")
+    if not (isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v)):
+        raise Invalid(f"{what} {v!r} is not a list of sizes")
     return v
 
 
@@ -233,11 +269,6 @@ def _named(v: Any, names: Any) -> bool:
 
 def _is_int(v: Any) -> bool:
     return type(v) is int
-
-
-def _expect(ok: bool, what: str) -> None:
-    if not ok:
-        raise Invalid(what)
 
 
 def corrupt(uri: str, step: int, key: str, data: bytes, e: Invalid) -> CorruptDataError:
