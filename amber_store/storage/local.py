@@ -51,6 +51,8 @@ def _get_local(root: Path, key: str, prototype: BufferPrototype, byte_range: Byt
     # (non-blocking: a FIFO planted in the store must not hang the load; regular files ignore it)
     with open(os.open(real, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
         st = os.fstat(f.fileno())
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(path)  # (no object there, as before)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptDataError(f"{root}: object key {key!r} is not a regular file")
         size = st.st_size
@@ -136,11 +138,14 @@ class LocalBackend(Backend):
     async def delete(self, key: str) -> None:
         """The file, then each directory above it left empty, up to the store's top-level ones
         (``steps/``, ``commits/``): a directory is a file system's object too."""
-        await super().delete(str(_inside(self.root, key).relative_to(self.root)))
+        _inside(self.root, key)
+        await super().delete(key)
         await asyncio.to_thread(_prune, self.root, key)
 
     async def delete_dir(self, prefix: str) -> None:
-        await super().delete_dir(prefix and str(_inside(self.root, prefix.rstrip("/")).relative_to(self.root)))
+        if prefix:
+            _inside(self.root, prefix.rstrip("/"))
+        await super().delete_dir(prefix)
 
     async def probe(self) -> None:
         if self.read_only and not self.root.is_dir():
