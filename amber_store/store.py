@@ -454,9 +454,9 @@ class Store:
         if dest.missing or dest.unexpected:
             message = _mismatch(self.uri, step, dest.missing, dest.unexpected)
             if strict:
-                raise StateMismatchError(message, missing=dest.missing, unexpected=dest.unexpected)
-            warn(message.replace("; nothing was read", "; the rest was loaded").replace(
-                "; strict=False loads the rest", ""))
+                raise StateMismatchError(f"{message}; nothing was read; strict=False loads the rest",
+                                         missing=dest.missing, unexpected=dest.unexpected)
+            warn(f"{message}; the rest was loaded")
         damaged: dict[str, str] | None = None if strict else {}
         state = materialize(lazy_sd, device, damaged=damaged, into=dest)
         if damaged:
@@ -490,8 +490,7 @@ def _mismatch(uri: str, step: int, missing: list[str], unexpected: list[str]) ->
                 hint = (f" ({side} keys carry a {prefix!r} prefix the other's lack, as a DDP- or torch.compile-"
                         "wrapped model's state does: save and load the unwrapped model's state_dict, or strip the "
                         "prefix with torch.nn.modules.utils.consume_prefix_in_state_dict_if_present)")
-    return (f"{uri}: step {step} does not match the state given as into=: " + "; ".join(parts) + hint
-            + "; nothing was read; strict=False loads the rest")
+    return f"{uri}: step {step} does not match the state given as into=: " + "; ".join(parts) + hint
 
 
 def _check_step(step: int) -> None:
