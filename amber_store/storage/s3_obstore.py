@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import os
 import re
+import time
 from typing import Any, AsyncIterator
 from urllib.parse import SplitResult
 
@@ -36,6 +37,8 @@ PART_BYTES = 64 << 20
 CONFLICT_RETRIES = 5
 #: How long a failed upload in parts may spend aborting itself.
 ABORT_SECONDS = 30.0
+#: How long the botocore client of upload listings and aborts is used before it is made again.
+CLIENT_SECONDS = 240.0
 #: Options that only s3fs understands: with any of them, the store goes through s3fs.
 S3FS_ONLY = frozenset({"client_kwargs", "config_kwargs", "session", "s3_additional_kwargs", "requester_pays",
                        "default_block_size", "default_fill_cache", "version_aware", "cache_regions",
@@ -63,6 +66,7 @@ class ObstoreS3Backend(ObjectStoreBackend):
         self._config: dict[str, Any] = {}
         self._provider: Any = None
         self._aborting: set[asyncio.Task[None]] = set()
+        self._botocore: tuple[float, Any] | None = None  # (made at, client): :meth:`_uploads_client`
 
     @classmethod
     def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any],
@@ -159,7 +163,14 @@ class ObstoreS3Backend(ObjectStoreBackend):
 
     def _uploads_client(self) -> Any:
         """A botocore client for what obstore does not do (listing and aborting uploads), with the
-        same endpoint, region and credentials."""
+        same endpoint, region and credentials; made once and used for :data:`CLIENT_SECONDS`
+        (credentials from a provider are handed out for five minutes)."""
+        now = time.monotonic()
+        if self._botocore is None or now - self._botocore[0] > CLIENT_SECONDS:
+            self._botocore = (now, self._new_uploads_client())
+        return self._botocore[1]
+
+    def _new_uploads_client(self) -> Any:
         import botocore
         import botocore.config
         import botocore.session
