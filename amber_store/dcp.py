@@ -70,7 +70,7 @@ from zarr.core.sync import sync
 from . import format as fmt
 from . import shards
 from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StorageAccessError, UnsafeValueError
-from .format import Manifest, TensorEntry
+from .format import Manifest
 from .lazy import LazyTensor
 from .options import Options
 from .reader import ReadSession
@@ -92,6 +92,7 @@ class _Process:
         self.cache = BaseCache()
         self.pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self.unfinished: StepPlan | None = None
+        self.plans: list[SavePlan] = []  # the coordinator's: which rank writes which item
         self.numbered = False  # whether a save without a step has been told so
 
     def promote(self) -> None:
@@ -100,7 +101,7 @@ class _Process:
             step, values = self.pending
             if step in self.store.steps():
                 self.cache.put(step, values)
-                self.cache.keep(self.store.writer.live_bases(self.store.manifest(step)))
+                self.cache.keep(self.store.writer.live_bases(sync(self.store.history.index(step))))
                 self.pending = None
 
 
@@ -125,9 +126,8 @@ def _process(uri: str, storage_options: dict[str, Any] | None, options: dict[str
 def item_key(index: MetadataIndex, kind: WriteItemType | LoadItemType) -> str:
     """The amber tensor key of a DCP item: its FQN, then its shard offset (or ``bytes``)."""
     if kind in (WriteItemType.BYTE_IO, LoadItemType.BYTE_IO):
-        return f"{fmt.escape_segment(index.fqn)}/bytes"
-    offset = "_".join(str(o) for o in (index.offset or ())) or "scalar"
-    return f"{fmt.escape_segment(index.fqn)}/{offset}"
+        return fmt.sharding.value_key(index.fqn)
+    return fmt.sharding.item_key(index.fqn, index.offset or ())
 
 
 class AmberStorageWriter(StorageWriter):
@@ -199,6 +199,7 @@ class AmberStorageWriter(StorageWriter):
                     "checkpoint_id='<uri>/step_<N>' (said once)", RuntimeWarning, stacklevel=2)
         decision = sync(store.writer.plan(step, self.full))
         held.unfinished = decision  # finish() gets no plan: the coordinator remembers it
+        held.plans = plans
         return [dataclasses.replace(p, storage_data=decision) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -211,6 +212,10 @@ class AmberStorageWriter(StorageWriter):
         tensors = {key: _item_tensor(planner.resolve_data(item)) for key, item in keyed.items()}
         timeout = writer.timeout(sum(t.nbytes for t in tensors.values()))
         deadline = None if timeout is None else time.monotonic() + timeout
+        fut: Future[list[WriteResult]] = Future()  # DCP waits on torch futures
+        if not keyed:  # (a rank whose every item another rank writes)
+            fut.set_result([])
+            return fut
         try:
             written = writer.write(decision, lambda out: writer.add_tensors(out, tensors, decision, cache=held.cache),
                                    pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=held.cache.recycle,
@@ -221,14 +226,16 @@ class AmberStorageWriter(StorageWriter):
             raise StorageAccessError(
                 f"{held.store.uri}: saving step {decision.step} on rank {rank} did not finish within "
                 f"save_timeout={timeout:.0f} s ({e}); the step is not committed and earlier steps are untouched") from e
+        try:
+            fragment = sync(writer.seal_rank(decision, written, rank))
+        except BaseException:
+            sync(writer.delete_objects(written.keys))
+            raise
         held.pending = (decision.step, written.values)
-        # The rank's packs, array metadata and object keys ride on its first result.
-        shared = {"packs": written.packs, "arrays": written.arrays, "keys": written.keys}
-        results = [WriteResult(index=keyed[key].index, size_in_bytes=e.nbytes,
-                               storage_data={"key": key, "entry": dataclasses.asdict(e), **(shared if i == 0 else {})})
-                   for i, (key, e) in enumerate(written.entries.items())]
-        fut: Future[list[WriteResult]] = Future()  # DCP waits on torch futures
-        fut.set_result(results)
+        # One result a rank: the coordinator's work is per rank, not per item.
+        first = next(iter(keyed.values()))
+        fut.set_result([WriteResult(index=first.index, size_in_bytes=sum(e.stored for e in written.entries.values()),
+                                    storage_data={"fragment": fragment})])
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -237,29 +244,21 @@ class AmberStorageWriter(StorageWriter):
         decision = held.unfinished
         assert decision is not None, "finish() before prepare_global_plan()"
         t0 = time.perf_counter()
-        entries: dict[str, TensorEntry] = {}
-        keys: dict[tuple[str, tuple[int, ...]], str] = {}
-        written = Written()
-        for rank_results in results:
+        fragments: list[dict[str, Any] | None] = [None] * len(results)
+        for rank, rank_results in enumerate(results):
             for r in rank_results:
-                key = r.storage_data["key"]
-                entries[key] = TensorEntry(**r.storage_data["entry"])
-                keys[r.index.fqn, tuple(r.index.offset or ())] = key
-                written.packs.update(r.storage_data.get("packs", {}))
-                written.arrays.update(r.storage_data.get("arrays", {}))
-                written.keys.extend(r.storage_data.get("keys", []))
-        written.entries = dict(sorted(entries.items()))
-        layout = state_layout(metadata, keys)
-        created = sync(writer.seal(decision, written))
-        # DCP's Metadata is not stored: the layout says all that dcp.load plans with (metadata_of)
-        extra: dict[str, Any] = {"dcp": {"state": shards.to_json(layout)}}
+                fragments[rank] = r.storage_data["fragment"]
+        tree, state = sharded_index(metadata, held.plans)
+        held.plans = []
+        created = sync(writer.seal(decision, Written(), consolidated=False))
+        extra: dict[str, Any] = {"dcp": {"state": state}}
         if self.metrics:
             extra["metrics"] = self.metrics
         # Once sent, a commit's outcome is the commit's to settle, as in Store.save: if its answer
         # is lost, the manifest may have landed, so the next save must not discard its attempt.
         held.unfinished = None
-        self.last_commit = sync(writer.commit(decision, written, layout.tree, created, time.perf_counter() - t0,
-                                              extra))
+        self.last_commit = sync(writer.commit(decision, Written(), tree, created, time.perf_counter() - t0, extra,
+                                              fragments=fragments))
         held.promote()
         if self.after is not None:
             self.after(self.last_commit)
@@ -283,27 +282,59 @@ class _Leaf:
         self.name = name
 
 
-def state_layout(metadata: Metadata, keys: dict[tuple[str, tuple[int, ...]], str]) -> shards.Layout:
-    """How the items of a save make the state the ranks passed to ``dcp.save``: DCP's flattened
-    keys unflattened as DCP's own ``unflatten_state_dict`` does (``planner_data``), each tensor
-    with its global shape and shards, each other value with its item. ``keys``: the item key
-    the ranks wrote for each (fqn, offset) (a value's offset is empty)."""
+def sharded_index(metadata: Metadata, plans: list[SavePlan]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The index of a sharded save (format 10): the state's tree, DCP's flattened keys
+    unflattened as DCP's own ``unflatten_state_dict`` does (``planner_data``), and
+    ``extra.dcp.state``: each tensor's dtype, global shape and shards (a grid where they make
+    one: :mod:`amber_store.format.sharding`) with the row of ``owners`` saying which rank's
+    fragment holds each shard, and each value's item and rank. ``plans``: the global plan, one
+    per rank (which rank writes which item)."""
     saved = metadata.state_dict_metadata
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     order = _state_order(metadata)
     paths = {fqn: tuple(mapping.get(fqn, (fqn,))) for fqn in order}
-    tensors: dict[str, shards.ShardedTensor] = {}
-    values: dict[str, str] = {}
+    writers: dict[str, list[int]] = {}
+    value_writer: dict[str, int] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            index = item.index
+            if item.type == WriteItemType.BYTE_IO:
+                value_writer[index.fqn] = rank
+                continue
+            w = writers.get(index.fqn)
+            if w is None:
+                w = writers[index.fqn] = [-1] * len(saved[index.fqn].chunks)
+            position = index.index
+            if position is None or not 0 <= position < len(w) or \
+                    tuple(saved[index.fqn].chunks[position].offsets) != tuple(index.offset or ()):
+                position = next(i for i, c in enumerate(saved[index.fqn].chunks)
+                                if tuple(c.offsets) == tuple(index.offset or ()))
+            w[position] = rank
+    rows: dict[tuple[int, ...], int] = {}
+    tensors: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     leaves: dict[str, _Leaf] = {}
     for fqn in order:
         md = saved[fqn]
         name = "/".join(fmt.escape_segment(p) for p in paths[fqn])
         leaves[fqn] = _Leaf(name)
-        if isinstance(md, TensorStorageMetadata):
-            tensors[name] = shards.ShardedTensor(fmt.dtype_name(md.properties.dtype), tuple(md.size), tuple(
-                (offset, keys[fqn, offset]) for offset in (tuple(c.offsets) for c in md.chunks)))
+        if not isinstance(md, TensorStorageMetadata):
+            values[name] = [fmt.sharding.value_key(fqn), value_writer[fqn]]
+            continue
+        shape = tuple(md.size)
+        shards_ = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+        described = fmt.sharding.describe(shape, shards_)
+        w = writers[fqn]
+        if described is not None:
+            grid, cells = described
+            row = [0] * len(cells)
+            for position, cell in enumerate(cells):
+                row[cell] = w[position]
+            desc: dict[str, Any] = {"grid": grid}
         else:
-            values[name] = keys[fqn, ()]
+            row, desc = w, {"shards": [[list(o), list(s)] for o, s in shards_]}
+        k = rows.setdefault(tuple(row), len(rows))
+        tensors[name] = {"dtype": fmt.dtype_name(md.properties.dtype), "shape": list(shape), **desc, "owners": k}
 
     def node(obj: Any) -> dict[str, Any]:
         if isinstance(obj, _Leaf):
@@ -314,7 +345,8 @@ def state_layout(metadata: Metadata, keys: dict[tuple[str, tuple[int, ...]], str
             return {"list": [node(v) for v in obj]}
         return {"value": None}  # a list slot that DCP's unflatten fills with None
 
-    return shards.Layout(node(unflatten_state_dict(leaves, paths)), tensors, values)
+    tree = node(unflatten_state_dict(leaves, paths))
+    return tree, {"tensors": tensors, "values": values, "owners": [list(r) for r in rows]}
 
 
 def _state_order(metadata: Metadata) -> list[str]:
@@ -325,7 +357,7 @@ def _state_order(metadata: Metadata) -> list[str]:
     return [fqn for fqn in mapping if fqn in saved] + [fqn for fqn in saved if fqn not in mapping]
 
 
-def metadata_of(m: Manifest, layout: shards.Layout) -> Metadata:
+def metadata_of(layout: shards.Layout) -> Metadata:
     """DCP's ``Metadata`` of a sharded step, rebuilt from its layout: each tensor's shards as
     chunks, each value as bytes, the flattening's paths as ``planner_data``, and each item's
     key as ``storage_data``."""
@@ -341,8 +373,8 @@ def metadata_of(m: Manifest, layout: shards.Layout) -> Metadata:
             continue
         t = layout.tensors[name]
         chunks = []
-        for offset, item in t.shards:
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(m.tensors[item].shape)))
+        for (offset, item), size in zip(t.shards, t.sizes):
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(size)))
             keys[MetadataIndex(fqn, torch.Size(offset))] = item
         state[fqn] = TensorStorageMetadata(TensorProperties(dtype=fmt.DTYPES[t.dtype]), torch.Size(t.shape), chunks)
     return Metadata(state, planner_data=planner_data, storage_data=keys)
@@ -474,13 +506,15 @@ class AmberStorageReader(StorageReader):
         if step is None:
             raise StepNotFoundError(f"{store.uri}: the store is empty (no committed step)")
         self.step = step
-        manifest = store.manifest(step)
+        manifest = sync(store.history.index(step))  # (a sharded step's fragments are read by the ranks needing them)
         dcp_info = manifest.extra.get("dcp")
         if not dcp_info:
             raise NotAnAmberStoreError(f"{store.uri}: step {step} was not written through torch.distributed.checkpoint")
+        if dcp_info.get("state") is not None and "owners" not in dcp_info["state"]:
+            sync(store.history.manifest(step))  # format 9: shard sizes are in the entries
         layout = shards.layout_of(manifest)
         if layout is not None:
-            return metadata_of(manifest, layout)
+            return metadata_of(layout)
         # format 8: DCP's Metadata pickled beside the step (written by this package's own writer)
         raw = sync(store.history.backend.get(dcp_info["metadata"]))
         if raw is None:
@@ -505,12 +539,12 @@ class AmberStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         store = self._open()
         assert self.step is not None
-        m = store.manifest(self.step)
-        wanted = [(req, LazyTensor(store.reader, self.step, key, m.tensors[key]))
-                  for req in plan.items for key in [self._keys[req.storage_index]]]
+        keys = [self._keys[req.storage_index] for req in plan.items]
+        entries = sync(store.history.entries(self.step, sorted(set(keys))))  # only the fragments holding them
+        wanted = [(req, LazyTensor(store.reader, self.step, key, entries[key])) for req, key in zip(plan.items, keys)]
 
         async def read_all() -> list[torch.Tensor]:
-            session = ReadSession()  # every object, and each pack, fetched once
+            session = ReadSession(whole_packs=False)  # every object once; of packs, the parts needed
             return await gather(lt._read(
                 Ellipsis if req.type == LoadItemType.BYTE_IO or not req.lengths
                 else tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths)), session)

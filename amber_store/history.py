@@ -17,6 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import crc32c
+
 from . import format as fmt
 from . import shards, validation
 from .errors import (ConcurrentWriterError, CorruptDataError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError,
@@ -122,6 +124,8 @@ class History:
         self.unsettled: Manifest | None = None
         self._manifests: OrderedDict[int, asyncio.Future[Manifest]] = OrderedDict()
         self._cache_size = MANIFEST_CACHE
+        #: per cached manifest with fragments (by id): its map, and each fragment's read
+        self._fragments: dict[int, tuple[shards.FragmentMap, dict[int, asyncio.Future[None]]]] = {}
 
     @property
     def uri(self) -> str:
@@ -226,6 +230,15 @@ class History:
         return sorted(s for s in map(fmt.parse_commit_key, names) if s is not None)
 
     async def manifest(self, step: int) -> Manifest:
+        """The manifest of ``step``, with every entry (all of a sharded step's fragments read)."""
+        m = await self.index(step)
+        if m.fragments is not None:
+            await gather(self._fragment(m, f) for f, info in enumerate(m.fragments) if info is not None)
+        return m
+
+    async def index(self, step: int) -> Manifest:
+        """The manifest of ``step`` as committed: a sharded step's holds only the entries of the
+        fragments read so far (:meth:`entry` reads the one it needs)."""
         if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
             # (a step from a command line or a config file, say "50")
             raise StepNotFoundError(f"{self.uri}: {step!r} is not a step: steps are non-negative ints"
@@ -243,6 +256,74 @@ class History:
         except StepNotFoundError:
             self._manifests.pop(step, None)
             raise
+
+    async def entry(self, step: int, key: str) -> TensorEntry | None:
+        """``key``'s entry in ``step`` (``None``: the step has no such tensor), reading only the
+        fragment that holds it."""
+        m = await self.index(step)
+        e = m.tensors.get(key)
+        if e is not None or m.fragments is None:
+            return e
+        f = self._map(m).fragment(key)
+        if f is None:
+            return None
+        await self._fragment(m, f)
+        return m.tensors.get(key)
+
+    async def entries(self, step: int, keys: list[str]) -> dict[str, TensorEntry]:
+        """The entries of ``keys`` in ``step`` (each must be there), reading each fragment they
+        lie in once."""
+        m = await self.index(step)
+        if m.fragments is not None:
+            fmap = self._map(m)
+            await gather(self._fragment(m, f) for f in {fmap.fragment(k) for k in keys if k not in m.tensors}
+                         if f is not None)
+        missing = [k for k in keys if k not in m.tensors]
+        if missing:
+            raise KeyError(f"step {step} has no item {missing[0]!r}")
+        return {k: m.tensors[k] for k in keys}
+
+    def _map(self, m: Manifest) -> shards.FragmentMap:
+        held = self._fragments.get(id(m))
+        if held is None or held[0].manifest is not m:
+            held = self._fragments[id(m)] = (shards.FragmentMap(m), {})
+        return held[0]
+
+    async def _fragment(self, m: Manifest, f: int) -> None:
+        """Read fragment ``f`` of ``m`` into its entries and packs (once)."""
+        fmap = self._map(m)
+        reads = self._fragments[id(m)][1]
+        fut = reads.get(f)
+        if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
+            fut = reads[f] = asyncio.ensure_future(self._read_fragment(m, fmap, f))
+        await asyncio.shield(fut)
+
+    async def _read_fragment(self, m: Manifest, fmap: shards.FragmentMap, f: int) -> None:
+        assert m.fragments is not None
+        info = m.fragments[f]
+        if info is None:
+            raise CorruptDataError(f"{self.uri}: step {m.step}: fragment {f} is named but was never written",
+                                   step=m.step)
+        with storage_errors(self.uri, f"reading fragment {f} of step {m.step}"):
+            raw = await self.backend.get(info["key"])
+        where = f"{self.uri}: step {m.step}: fragment {info['key']}"
+        if raw is None:
+            raise CorruptDataError(f"{where} is missing", step=m.step)
+        data = raw.to_bytes()
+        if len(data) != info["nbytes"] or crc32c.crc32c(data) != info["crc32c"]:
+            raise CorruptDataError(f"{where} is damaged ({len(data)} bytes, checksum differs from the index's)",
+                                   step=m.step)
+        try:
+            entries, packs = fmt.fragments.decode(data, fmap.items(f), m.group, m.step)
+            for name, pack in packs.items():
+                validation.check_pack(name, validation._object(pack, f"pack {name!r}"))
+                validation.check_key(pack["array"], f"{m.group}/")
+            for key, e in entries.items():
+                validation.check_entry(m.step, packs, e)
+        except (fmt.fragments.Invalid, validation.Invalid) as e:
+            raise CorruptDataError(f"{where} is unreadable: {e}", step=m.step) from None
+        m.packs.update(packs)
+        m.tensors.update(entries)
 
     async def _read_manifest(self, step: int) -> Manifest:
         with storage_errors(self.uri, f"reading the manifest of step {step}"):
@@ -282,11 +363,14 @@ class History:
         self._manifests[step] = fut
         self._manifests.move_to_end(step)
         while len(self._manifests) > self._cache_size:
-            self._manifests.popitem(last=False)  # (a read in flight goes on for whoever awaits it)
+            _, old = self._manifests.popitem(last=False)  # (a read in flight goes on for whoever awaits it)
+            if old.done() and not old.cancelled() and old.exception() is None:
+                self._fragments.pop(id(old.result()), None)
 
     def forget(self) -> None:
         """Drop cached manifests (after retention rewrote or removed some)."""
         self._manifests.clear()
+        self._fragments.clear()
 
     async def outdated(self, step: int) -> bool:
         """Whether ``step`` as read before is no longer what is committed: retention (of this
@@ -303,7 +387,7 @@ class History:
     async def holder(self, step: int, key: str) -> tuple[int, TensorEntry] | None:
         """The step whose data holds ``key``'s value at ``step`` (``same`` resolved), and its
         entry; ``None`` if the step has no such tensor."""
-        e = (await self.manifest(step)).tensors.get(key)
+        e = await self.entry(step, key)
         if e is None:
             return None
         if e.encoding == "same":
@@ -315,7 +399,9 @@ class History:
         """The layers that materialize ``key`` at ``step``, oldest (full) first; ``same``
         entries are skipped (they store nothing)."""
         layers: list[tuple[int, TensorEntry]] = []
-        e = (await self.manifest(step)).tensors[key]
+        e = await self.entry(step, key)
+        if e is None:
+            raise KeyError(key)
         while True:
             if e.encoding != "same":
                 layers.append((step, e))
@@ -325,7 +411,7 @@ class History:
 
     async def _entry(self, base: int, key: str, step: int) -> TensorEntry:
         """``key``'s entry in step ``base``, which step ``step`` names as its base."""
-        e = (await self.manifest(base)).tensors.get(key)
+        e = await self.entry(base, key)
         if e is None:
             raise CorruptDataError.at(self.uri, step, key, f"its base step {base} has no such tensor")
         return e

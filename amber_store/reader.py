@@ -41,10 +41,13 @@ WHOLE_OBJECT_BYTES = 64 << 20
 
 class ReadSession:
     """Shared state of one multi-tensor read: whole objects instead of ranges, and each
-    step's pack stream fetched and decompressed once (with its damaged chunks, if any)."""
+    step's pack stream fetched and decompressed once (with its damaged chunks, if any); with
+    ``whole_packs=False`` (a rank reading its part of a resharded step), each part of a pack
+    that the read needs, fetched and decompressed once."""
 
-    def __init__(self) -> None:
-        self.packs: dict[tuple[int, str], asyncio.Future[tuple[np.ndarray | None, set[int]]]] = {}
+    def __init__(self, whole_packs: bool = True) -> None:
+        self.whole_packs = whole_packs
+        self.packs: dict[tuple[int, str, int], asyncio.Future[tuple[np.ndarray | None, set[int]]]] = {}
 
 
 class Reader:
@@ -76,7 +79,7 @@ class Reader:
                     raise
             self.history.forget()
             try:
-                await self.history.manifest(step)
+                await self.history.index(step)
             except StepNotFoundError:
                 raise StepNotFoundError(f"{self.history.uri}: step {step} was deleted (by gc or retention) after it "
                                         f"was opened; tensor {key!r} cannot be read") from None
@@ -84,8 +87,9 @@ class Reader:
 
     async def _read(self, step: int, key: str, region: tuple[slice, ...] | None, session: ReadSession | None,
                     check: bool | None, out: np.ndarray | None) -> np.ndarray:
-        m = await self.history.manifest(step)
-        e = m.tensors[key]
+        e = await self.history.entry(step, key)
+        if e is None:
+            raise KeyError(key)
         shape, chunks = tuple(e.shape), tuple(e.chunks)
         region = fmt.whole(shape) if region is None else region
         check = self.verify if check is None else check
@@ -228,19 +232,33 @@ class Reader:
         name, offset, length = entry.pack
         if length == 0:
             return None
-        m = await self.history.manifest(step)
+        m = await self.history.index(step)  # (the entry's fragment, read, brought its packs)
         info = m.packs.get(name)
         if info is None:
             raise self._corrupt(step, key, f"pack {name!r} is not in the manifest")
         size = info["chunk"]
         first, last = offset // size, (offset + length - 1) // size
-        if session is not None:  # the whole stream, fetched and decompressed once for all its tensors
-            fut = session.packs.get((step, name))
+        if session is not None and session.whole_packs:  # the whole stream, once for all its tensors
+            fut = session.packs.get((step, name, -1))
             if fut is None:
-                fut = session.packs[(step, name)] = asyncio.ensure_future(
+                fut = session.packs[(step, name, -1)] = asyncio.ensure_future(
                     self._pack_chunks(m, name, 0, len(info["index"])))
             data, failed = await asyncio.shield(fut)  # (shared: one reader cancelled must not cancel it for all)
             start = offset
+        elif session is not None:  # each part once, for all the tensors with bytes in it
+            parts = []
+            for part in range(first, last + 1):
+                fut = session.packs.get((step, name, part))
+                if fut is None:
+                    fut = session.packs[(step, name, part)] = asyncio.ensure_future(
+                        self._pack_chunks(m, name, part, part + 1))
+                parts.append(fut)
+            got = [await asyncio.shield(f) for f in parts]
+            if any(d is None for d, _ in got):
+                raise self._corrupt(step, key, f"pack object {info['array']} is missing")
+            failed = set().union(*(f for _, f in got))
+            data = got[0][0] if len(got) == 1 else np.concatenate([d for d, _ in got])
+            start = offset - first * size
         else:
             data, failed = await self._pack_chunks(m, name, first, last + 1)
             start = offset - first * size

@@ -323,7 +323,7 @@ def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int])
     bases = [e.base for e in entries.values() if e.base is not None]
     folded = dataclasses.replace(
         m, tensors=entries, packs=packs, kind=kind, base=max(bases) if bases else None,
-        format_version=fmt.FORMAT_VERSION,
+        format_version=fmt.FORMAT_VERSION, fragments=None,  # (its records, now all here)
         extra={**m.extra, "folded": {"group": group, "at": created, "from": sorted(deleted)}})
     sync(history.replace(folded))
     return sum(e.stored for e in written.entries.values())
@@ -331,7 +331,7 @@ def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int])
 
 def _referenced(manifests: list[Manifest]) -> tuple[set[str], set[str], set[str]]:
     """Arrays (and packs) the manifests point at, every directory above them, and the other
-    objects they name (a DCP step's metadata)."""
+    objects they name (a DCP step's metadata, a sharded step's fragments)."""
     arrays = {e.array for m in manifests for e in m.tensors.values() if e.array}
     arrays |= {p["array"] for m in manifests for p in m.packs.values()}
     groups = {m.group for m in manifests} | {m.extra["folded"]["group"] for m in manifests if "folded" in m.extra}
@@ -341,6 +341,7 @@ def _referenced(manifests: list[Manifest]) -> tuple[set[str], set[str], set[str]
         parts = a.split("/")
         dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
     objects = {m.extra["dcp"]["metadata"] for m in manifests if "metadata" in m.extra.get("dcp", {})}
+    objects |= {f["key"] for m in manifests for f in m.fragments or () if f is not None}
     return arrays, dirs, objects
 
 

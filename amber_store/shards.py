@@ -3,7 +3,10 @@
 DCP stores *items*: one per tensor shard (``model.w/256_0``) and one per plain Python value
 (pickled by ``torch.save``). The manifest records how items make the state (docs/FORMAT.md):
 its ``tree`` is the nested structure DCP flattened, and ``extra.dcp.state`` has each tensor's
-global shape, dtype and shards and each value's item. From that, any single process opens the
+global shape, dtype and shards (since format 10 described once, as a grid:
+:mod:`amber_store.format.sharding`) and each value's item. Since format 10 the items' records
+live in one fragment per rank (:mod:`amber_store.format.fragments`); :class:`FragmentMap` says
+which fragment holds an item, so that a reader fetches only the fragments it needs. From that, any single process opens the
 step as the nested state dict the ranks passed to ``dcp.save``: one lazy tensor per logical
 tensor, assembled from its shards; values read with ``torch.load(weights_only=True)``, so
 opening a step never runs code stored in it. DCP's own ``Metadata``, which ``dcp.load``
@@ -19,17 +22,20 @@ from typing import Any
 
 import numpy as np
 
+from . import format as fmt
 from .errors import CorruptDataError, UnsafeValueError
-from .format import Manifest
+from .format import Manifest, fragments, sharding
 
 
 @dataclass(frozen=True)
 class ShardedTensor:
-    """One logical tensor: global ``shape`` and ``dtype``, and its shards as ``(offset, item key)``."""
+    """One logical tensor: global ``shape`` and ``dtype``, its shards as ``(offset, item key)``
+    and each shard's size."""
 
     dtype: str
     shape: tuple[int, ...]
     shards: tuple[tuple[tuple[int, ...], str], ...]
+    sizes: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -54,22 +60,98 @@ class Layout:
 
 def layout_of(m: Manifest) -> Layout | None:
     """The logical layout of a sharded step (``None`` for a step saved whole, or a DCP step of
-    format 8, whose tree is its items: it opens as them)."""
+    format 8, whose tree is its items: it opens as them). Lists every shard: a whole-state
+    read's (a DCP resume reads by :class:`FragmentMap`)."""
     state = m.extra.get("dcp", {}).get("state")
     if state is None:
         return None
-    tensors = {name: ShardedTensor(t["dtype"], tuple(t["shape"]),
-                                   tuple((tuple(offset), key) for offset, key in t["shards"]))
-               for name, t in state["tensors"].items()}
-    return Layout(m.tree, tensors, dict(state["values"]))
+    if "owners" not in state:  # format 9: each shard listed, its size in its entry
+        tensors = {name: ShardedTensor(t["dtype"], tuple(t["shape"]),
+                                       tuple((tuple(offset), key) for offset, key in t["shards"]),
+                                       tuple(tuple(m.tensors[key].shape) for _, key in t["shards"]))
+                   for name, t in state["tensors"].items()}
+        return Layout(m.tree, tensors, dict(state["values"]))
+    tensors = {}
+    for name, fqn in _fqns(m.tree, state["tensors"]).items():
+        t = state["tensors"][name]
+        shape = tuple(t["shape"])
+        shards = list(_shards(shape, t))
+        tensors[name] = ShardedTensor(t["dtype"], shape, tuple((o, sharding.item_key(fqn, o)) for o, _ in shards),
+                                      tuple(s for _, s in shards))
+    return Layout(m.tree, tensors, {name: key for name, (key, _) in state["values"].items()})
 
 
-def to_json(layout: Layout) -> dict[str, Any]:
-    """The layout as stored in ``extra.dcp.state`` (its tree is the manifest's ``tree``)."""
-    return {"tensors": {name: {"dtype": t.dtype, "shape": list(t.shape),
-                               "shards": [[list(offset), key] for offset, key in t.shards]}
-                        for name, t in layout.tensors.items()},
-            "values": layout.values}
+def _shards(shape: tuple[int, ...], t: dict[str, Any]) -> Any:
+    if "grid" in t:
+        return sharding.cells(shape, t["grid"])
+    return ((tuple(o), tuple(s)) for o, s in t["shards"])
+
+
+def _fqns(tree: dict[str, Any], names: Any) -> dict[str, str]:
+    """Each tensor's DCP flattened key (its path in the state, joined by dots, as DCP's
+    ``flatten_state_dict`` makes it), by name."""
+    return {name: ".".join(map(str, path)) for name, path in paths(tree).items() if name in names}
+
+
+class FragmentMap:
+    """Which fragment of a format-10 sharded step holds each item, and which items (keys,
+    dtypes, shapes, in key order) each fragment holds, from the index alone."""
+
+    def __init__(self, m: Manifest) -> None:
+        self.manifest = m
+        state = m.extra["dcp"]["state"]
+        self.tensors: dict[str, dict[str, Any]] = state["tensors"]
+        self.owners: list[list[int]] = state["owners"]
+        self.values = {key: f for key, f in state["values"].values()}
+        self.prefix = {name: fmt.escape_segment(fqn) for name, fqn in _fqns(m.tree, self.tensors).items()}
+        self.by_prefix = {prefix: name for name, prefix in self.prefix.items()}
+        self._rows: dict[int, dict[int, list[int]]] = {}  # owners row -> fragment -> its cells
+        self._explicit: dict[str, dict[tuple[int, ...], int]] = {}
+
+    def fragment(self, key: str) -> int | None:
+        """The fragment holding item ``key`` (``None``: the step has no such item)."""
+        if key in self.values:
+            return self.values[key]
+        prefix, _, last = key.rpartition("/")
+        name = self.by_prefix.get(prefix)
+        if name is None:
+            return None
+        t = self.tensors[name]
+        try:
+            offset = () if last == "scalar" else tuple(int(x) for x in last.split("_"))
+        except ValueError:
+            return None
+        if "grid" in t:
+            cell = sharding.cell_of(t["shape"], t["grid"], offset)
+        else:
+            where = self._explicit.get(name)
+            if where is None:
+                where = self._explicit[name] = {tuple(o): i for i, (o, _) in enumerate(t["shards"])}
+            cell = where.get(offset)
+        return None if cell is None else self.owners[t["owners"]][cell]
+
+    def items(self, f: int) -> list[fragments.Item]:
+        """The items of fragment ``f``, in key order (the order of its records)."""
+        out = [fragments.Item(key, "uint8", None) for key, g in self.values.items() if g == f]
+        for name, t in self.tensors.items():
+            cells = self._row(t["owners"]).get(f)
+            if not cells:
+                continue
+            shape = tuple(t["shape"])
+            for cell in cells:
+                offset, size = (sharding.cell(shape, t["grid"], cell) if "grid" in t
+                                else (tuple(t["shards"][cell][0]), tuple(t["shards"][cell][1])))
+                out.append(fragments.Item(f"{self.prefix[name]}/{'_'.join(map(str, offset)) or 'scalar'}", t["dtype"], size))
+        out.sort(key=lambda it: it.key)
+        return out
+
+    def _row(self, k: int) -> dict[int, list[int]]:
+        row = self._rows.get(k)
+        if row is None:
+            row = self._rows[k] = {}
+            for cell, f in enumerate(self.owners[k]):
+                row.setdefault(f, []).append(cell)
+        return row
 
 
 def items_tree(m: Manifest) -> dict[str, Any]:

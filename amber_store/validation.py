@@ -65,6 +65,8 @@ def parse_manifest(data: bytes) -> fmt.Manifest:
                                  f"{fmt.FORMAT_VERSION}; upgrade amber-store")
     if d.get("format", fmt.FORMAT_NAME) != fmt.FORMAT_NAME:
         raise Invalid(f"format {d.get('format')!r} is not {fmt.FORMAT_NAME!r}")
+    if version < 10 and "fragments" in d:
+        raise Invalid(f"fragments in a step of format {version}")
     try:
         tensors = d["tensors"]
         if not isinstance(tensors, dict):
@@ -95,14 +97,16 @@ def validate(m: fmt.Manifest) -> None:
         raise Invalid("packs is not an object")
     check_key(m.group, f"{fmt.STEPS_DIR}/")
     for name, info in m.packs.items():
-        _check_pack(name, _object(info, f"pack {name!r}"))
+        check_pack(name, _object(info, f"pack {name!r}"))
     for key, e in m.tensors.items():
         if not (isinstance(key, str) and key != ""):
             raise Invalid(f"tensor key {key!r}")
         try:
-            _check_entry(m, e)
+            check_entry(m.step, m.packs, e)
         except Invalid as err:
             raise Invalid(f"tensor {key!r}: {err}") from None
+    if m.fragments is not None:
+        _check_fragments(m)
     folded = m.extra.get("folded")
     if folded is not None:
         check_key(_object(folded, "extra.folded").get("group"), f"{fmt.STEPS_DIR}/")
@@ -113,11 +117,13 @@ def validate(m: fmt.Manifest) -> None:
         if "metadata" in dcp:  # format 8: DCP's Metadata beside the step
             check_key(dcp["metadata"], f"{fmt.STEPS_DIR}/")
         if dcp.get("state") is not None:
-            names = _check_layout(m, _object(dcp["state"], "extra.dcp.state"))
+            state = _object(dcp["state"], "extra.dcp.state")
+            names = _check_index(m, state) if "owners" in state else _check_layout(m, state)
     _check_tree(m.tree, names, 0)
 
 
-def _check_entry(m: fmt.Manifest, e: fmt.TensorEntry) -> None:
+def check_entry(step: int, packs: dict[str, Any], e: fmt.TensorEntry) -> None:
+    """Check one tensor entry of step ``step``, whose packs are ``packs``; raises :class:`Invalid`."""
     if not _named(e.dtype, fmt.ITEMSIZES):
         raise Invalid(f"dtype {e.dtype!r} is unknown")
     if not _named(e.encoding, _ENCODINGS):
@@ -141,7 +147,7 @@ def _check_entry(m: fmt.Manifest, e: fmt.TensorEntry) -> None:
     if not (e.params is None or isinstance(e.params, dict)):
         raise Invalid("params is not an object")
     if e.encoding != "full":
-        if not (_is_int(e.base) and 0 <= e.base < m.step):
+        if not (_is_int(e.base) and 0 <= e.base < step):
             raise Invalid(f"base {e.base!r} is not an earlier step")
     if e.encoding == "same":
         return
@@ -157,7 +163,7 @@ def _check_entry(m: fmt.Manifest, e: fmt.TensorEntry) -> None:
     if e.pack is not None:
         p = e.pack
         if not (isinstance(p, list) and len(p) == 3 and _is_int(p[1]) and _is_int(p[2]) and p[1] >= 0
-                and (p[2] == 0 or (p[2] > 0 and _named(p[0], m.packs) and p[1] + p[2] <= m.packs[p[0]]["nbytes"]))):
+                and (p[2] == 0 or (p[2] > 0 and _named(p[0], packs) and p[1] + p[2] <= packs[p[0]]["nbytes"]))):
             raise Invalid(f"pack location {p!r} is not inside a pack of the step")
         if e.nbytes > MAX_CHUNK_BYTES:
             raise Invalid("a packed tensor is over the chunk limit")
@@ -169,7 +175,8 @@ def _check_entry(m: fmt.Manifest, e: fmt.TensorEntry) -> None:
         raise Invalid("no data named")
 
 
-def _check_pack(name: str, info: dict[str, Any]) -> None:
+def check_pack(name: str, info: dict[str, Any]) -> None:
+    """Check one pack's record (its array, part size, length and part index); raises :class:`Invalid`."""
     check_key(info.get("array"), f"{fmt.STEPS_DIR}/")
     chunk, nbytes, index = info.get("chunk"), info.get("nbytes"), info.get("index")
     if not (_is_int(chunk) and 1 <= chunk <= MAX_CHUNK_BYTES):
@@ -203,6 +210,65 @@ def _check_layout(m: fmt.Manifest, state: dict[str, Any]) -> set[str]:
     for name, item in values.items():
         if not _named(item, m.tensors):
             raise Invalid(f"dcp value {name!r} names no item of the step")
+    return set(tensors) | set(values)
+
+
+def _check_fragments(m: fmt.Manifest) -> None:
+    if not isinstance(m.fragments, list):
+        raise Invalid("fragments is not a list")
+    for i, f in enumerate(m.fragments):
+        if f is None:
+            continue
+        f = _object(f, f"fragment {i}")
+        check_key(f.get("key"), f"{m.group}/")
+        if not (_is_int(f.get("crc32c")) and _is_int(f.get("nbytes")) and 0 <= f["nbytes"] <= MAX_CHUNK_BYTES
+                and _is_int(f.get("items")) and f["items"] >= 0):
+            raise Invalid(f"fragment {i}: {f!r}")
+    if m.tensors or m.packs:
+        raise Invalid("a step with fragments lists tensors or packs of its own")
+
+
+def _check_index(m: fmt.Manifest, state: dict[str, Any]) -> set[str]:
+    """A format-10 sharded step's index: each tensor's grid (or shard list) fits its shape, its
+    owners row has one fragment per shard, each fragment named is one of the step's; each value
+    names its item and fragment. Returns the names the tree may use."""
+    tensors, values = _object(state.get("tensors"), "dcp tensors"), _object(state.get("values"), "dcp values")
+    owners = state.get("owners")
+    # (a step gc folded holds its records itself: its owners name fragments no longer read)
+    present = None if m.fragments is None else {i for i, f in enumerate(m.fragments) if f is not None}
+    if not (isinstance(owners, list) and all(isinstance(row, list) and all(_is_int(f) for f in row)
+                                             and (present is None or set(row) <= present) for row in owners)):
+        raise Invalid("dcp owners name fragments the step lacks")
+    for name, t in tensors.items():
+        t = _object(t, f"dcp tensor {name!r}")
+        if not _named(t.get("dtype"), fmt.ITEMSIZES):
+            raise Invalid(f"dcp tensor {name!r}: dtype {t.get('dtype')!r}")
+        shape = _ints(t.get("shape"), f"dcp tensor {name!r} shape")
+        k = t.get("owners")
+        if not (_is_int(k) and 0 <= k < len(owners)):
+            raise Invalid(f"dcp tensor {name!r}: owners {k!r}")
+        if "grid" in t:
+            problem = fmt.sharding.check(shape, t["grid"])
+            if problem:
+                raise Invalid(f"dcp tensor {name!r}: {problem}")
+            n = fmt.sharding.count(shape, t["grid"])
+        else:
+            shards = t.get("shards")
+            if not isinstance(shards, list):
+                raise Invalid(f"dcp tensor {name!r}: no grid and no shards")
+            for shard in shards:
+                if not (isinstance(shard, list) and len(shard) == 2):
+                    raise Invalid(f"dcp tensor {name!r}: shard {shard!r}")
+                offset, size = _ints(shard[0], "shard offset"), _ints(shard[1], "shard size")
+                if not (len(offset) == len(size) == len(shape) and all(o + s <= d for o, s, d in zip(offset, size, shape))):
+                    raise Invalid(f"dcp tensor {name!r}: shard {shard!r} does not fit {shape}")
+            n = len(shards)
+        if len(owners[k]) != n:
+            raise Invalid(f"dcp tensor {name!r}: {n} shards, {len(owners[k])} owners")
+    for name, v in values.items():
+        if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+                and (v[1] in present if present is not None else _is_int(v[1]))):
+            raise Invalid(f"dcp value {name!r}: {v!r}")
     return set(tensors) | set(values)
 
 

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import crc32c
 import torch
 from tqdm.auto import tqdm
 from zarr.core.sync import sync
@@ -122,7 +123,7 @@ class Writer:
         if latest is not None and step <= latest:
             raise StepOrderError(f"{history.uri}: step {step} is not newer than the latest committed step {latest}")
         doing.append("reading the manifests of its bases")
-        prev = await history.manifest(latest) if latest is not None else None
+        prev = await history.index(latest) if latest is not None else None
         bases = await history.base_steps(prev, self.options.base_policy, self.options.full_every, full, steps)
         plan = StepPlan(step, fmt.step_group(step, uuid.uuid4().hex[:8]), latest, bases, next_segment(prev, bases, step))
         doing.append("creating its group")
@@ -159,21 +160,36 @@ class Writer:
         out.close()
         return written
 
-    async def seal(self, plan: StepPlan, written: Written) -> float:
-        """Write the group's zarr.json (with the consolidated metadata of its arrays), then make
-        every object of the group durable; returns the creation time recorded. After this, only
-        the commit is left."""
+    async def seal(self, plan: StepPlan, written: Written, consolidated: bool = True) -> float:
+        """Write the group's zarr.json (with the consolidated metadata of its arrays, unless the
+        ranks of a sharded step wrote each array's own: :meth:`seal_rank`), then make every
+        object of the group durable; returns the creation time recorded. After this, only the
+        commit is left."""
         created = time.time()
         key = f"{plan.group}/zarr.json"
-        await self.backend.put_object(key, [json_bytes(fmt.step_group_metadata(plan.step, created, written.arrays))])
+        arrays = written.arrays if consolidated else None
+        await self.backend.put_object(key, [json_bytes(fmt.step_group_metadata(plan.step, created, arrays))])
         if self.options.durable:
             await self.backend.make_durable(written.keys + [key])
         return created
 
+    async def seal_rank(self, plan: StepPlan, written: Written, rank: int) -> dict[str, Any]:
+        """One rank's part of sealing a sharded step: its arrays' zarr.json, its fragment (the
+        records of the items it wrote: :mod:`amber_store.format.fragments`), then durability of
+        all it wrote. Returns the fragment's record for the index."""
+        data = fmt.fragments.encode(written.entries, written.packs)
+        key = fmt.fragments.key(plan.group, rank)
+        metadata = {f"{plan.group}/{name}/zarr.json": meta for name, meta in written.arrays.items()}
+        await gather(self.backend.put_object(k, [json_bytes(meta)]) for k, meta in metadata.items())
+        await self.backend.put_object(key, [data])
+        if self.options.durable:
+            await self.backend.make_durable(written.keys + list(metadata) + [key])
+        return {"key": key, "crc32c": crc32c.crc32c(data), "nbytes": len(data), "items": len(written.entries)}
+
     async def commit(self, plan: StepPlan, written: Written, tree: dict[str, Any], created: float, seconds: float,
-                     extra: dict[str, Any]) -> Manifest:
-        """Create the step's manifest, the commit point, from what was written and sealed;
-        returns it. Not bounded by the save's deadline: once sent, a commit's outcome must be
+                     extra: dict[str, Any], fragments: list[dict[str, Any] | None] | None = None) -> Manifest:
+        """Create the step's manifest, the commit point, from what was written and sealed (a
+        sharded step's: its index, naming the ranks' ``fragments``); returns it. Not bounded by the save's deadline: once sent, a commit's outcome must be
         learnt, not abandoned (a retried create that finds its own manifest is a success). A
         commit another writer beat is abandoned."""
         if self.root_version != fmt.FORMAT_VERSION:
@@ -194,6 +210,7 @@ class Writer:
             packs=written.packs,
             segment=plan.segment,
             extra=extra,
+            fragments=fragments,
         )
         try:
             await self.history.commit(manifest, plan.latest)
@@ -358,7 +375,7 @@ class Writer:
         refs: dict[str, Base | None] = {}
         for base, some in keys.items():
             full = sync(self._unpaid(plan.latest, base, some))
-            refs.update(self.bases_for(sync(self.history.manifest(base)), [k for k in some if k not in full], cache))
+            refs.update(self.bases_for(sync(self.history.index(base)), [k for k in some if k not in full], cache))
         return refs
 
     async def _unpaid(self, latest: int | None, base: int, keys: list[str]) -> set[str]:
@@ -369,10 +386,9 @@ class Writer:
         share = self.options.full_above
         if share is None or latest is None:
             return set()
-        prev = (await self.history.manifest(latest)).tensors
         full = set()
         for key in keys:
-            e, found = prev.get(key), await self.history.holder(base, key)
+            e, found = await self.history.entry(latest, key), await self.history.holder(base, key)
             if e is None or found is None or e.encoding == "same":
                 continue
             if e.encoding == "full":
@@ -414,7 +430,8 @@ class Writer:
 
     def materialized(self, step: int, key: str) -> torch.Tensor:
         """The whole tensor ``key`` of ``step``, read now."""
-        e = sync(self.history.manifest(step)).tensors[key]
+        e = sync(self.history.entry(step, key))
+        assert e is not None, key
         return fmt.numpy_to_tensor(sync(self.reader.read(step, key)), e.dtype)
 
 

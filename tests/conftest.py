@@ -230,8 +230,9 @@ def layer_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def is_data_key(key: str) -> bool:
-    """Whether a store key holds tensor data (a pack or a shard), not metadata or a commit."""
-    return key.startswith("steps/") and not key.endswith("zarr.json")
+    """Whether a store key holds tensor data (a pack or a shard), not metadata (a zarr.json, a
+    sharded step's fragment) or a commit."""
+    return key.startswith("steps/") and not key.endswith("zarr.json") and "/fragment-r" not in key
 
 
 def all_keys(store: amber.Store, prefix: str = "") -> list[str]:

@@ -1,8 +1,8 @@
 """Writes the small reference store of the on-disk format (docs/FORMAT.md).
 
-``python tests/make_format_fixture.py tests/data/format-v9`` made the newest committed copy
-(``format-v1`` to ``-v8`` were made by the code of their versions, with ``expected(1)`` to
-``expected(8)``); the tests read every
+``python tests/make_format_fixture.py tests/data/format-v10`` made the newest committed copy
+(``format-v1`` to ``-v9`` were made by the code of their versions, with ``expected(1)`` to
+``expected(8)``, and ``format-v9``'s sharded steps as its index recorded them); the tests read every
 committed copy back with the current code, so a change that breaks old stores fails CI, and
 also read back what this script writes today. Never edit a committed copy by hand; when the
 format version changes, add a new ``format-vN`` directory and keep the old ones.
@@ -117,7 +117,8 @@ def expected(version: int = 8) -> dict[int, dict]:
 
 def sharded_expected() -> dict[int, dict]:
     """Version 9: steps 4 and 5, saved through torch.distributed.checkpoint from 2 ranks (its
-    layout recorded as JSON): tensors sharded by rows and by columns, a replicated one, an
+    layout recorded as JSON; from version 10 on, as grids, the items' records in one fragment
+    per rank): tensors sharded by rows and by columns, a replicated one, an
     optimizer state, a list of tensors, values; step 5 changes only rank 1's rows of model/w."""
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 7
     states = {}

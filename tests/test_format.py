@@ -78,14 +78,20 @@ def check_reference_store(path: Path, version: int) -> None:
         entries = store.manifest(3).tensors
         assert entries["lossy/fine"].index is not None and entries["lossy/odd"].pack is not None
     if version >= 9:
-        check_sharded_steps(path, store)
+        check_sharded_steps(path, store, version)
 
 
-def check_sharded_steps(path: Path, store: amber.Store) -> None:
-    """Steps 4 and 5, saved through DCP from 2 ranks: one state, and what dcp.load plans with."""
+def check_sharded_steps(path: Path, store: amber.Store, version: int) -> None:
+    """Steps 4 and 5, saved through DCP from 2 ranks: one state, and what dcp.load plans with;
+    from version 10 on, an index of grids and the ranks' fragments."""
     for step, state in sharded_expected().items():
         m = store.manifest(step)
-        assert m.format_version == 9 and set(m.extra["dcp"]) == {"state"}  # no pickled metadata
+        assert m.format_version == version and set(m.extra["dcp"]) == {"state"}  # no pickled metadata
+        if version >= 10:
+            index = m.extra["dcp"]["state"]
+            assert [f["key"].rsplit("/", 1)[1] for f in m.fragments] == ["fragment-r0", "fragment-r1"]
+            assert index["tensors"]["model/w"]["grid"] == [3, 8] and index["tensors"]["model/emb"]["grid"] == [4, 3]
+            assert index["owners"][index["tensors"]["model/w"]["owners"]] == [0, 1]
         assert_tree_bit_equal(store.load(step, lazy=False), state)
         lazy = store.load(step)
         assert "shards=2" in repr(lazy["model"]["w"]) and "shards=2" in repr(lazy["model"]["emb"])
@@ -101,7 +107,7 @@ def check_sharded_steps(path: Path, store: amber.Store) -> None:
     assert entries["model.w/3_0"].encoding == "diff" and entries["model.w/0_0"].encoding == "same"
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 def test_every_committed_format_version_reads_back_with_the_current_code(tmp_path, version):
     copy = tmp_path / f"v{version}"
     shutil.copytree(DATA / f"format-v{version}", copy)  # reads need no write access; keep the fixture pristine
@@ -118,8 +124,8 @@ def test_the_newest_fixture_holds_codes_stored_as_nibbles(tmp_path, monkeypatch)
         return real(raw, n)
 
     monkeypatch.setattr(entropy, "_nibbles_decode", spy)
-    shutil.copytree(DATA / "format-v9", tmp_path / "v9")
-    amber.open(tmp_path / "v9", mode="r").load(2, lazy=False)
+    shutil.copytree(DATA / f"format-v{fmt.FORMAT_VERSION}", tmp_path / "newest")
+    amber.open(tmp_path / "newest", mode="r").load(2, lazy=False)
     assert sorted(decoded) == [16, 16, 16, 16, 39]  # lossy/fine's four chunks, lossy/odd (packed)
 
 

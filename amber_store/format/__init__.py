@@ -6,7 +6,9 @@ zarr reader can inspect, versioned so that readers refuse a ``format_version`` n
 - :mod:`.dtypes`: dtypes as stored (raw bits) and host memory for them;
 - :mod:`.chunks`: chunk geometry and checksums;
 - :mod:`.tree`: the state-dict tree, flattened and back;
-- :mod:`.manifest`: a committed step and its tensor entries.
+- :mod:`.manifest`: a committed step and its tensor entries;
+- :mod:`.sharding`: a sharded tensor's shards described once (a grid);
+- :mod:`.fragments`: one rank's records of a sharded step, in binary columns.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .manifest import (  # noqa: F401
     TensorEntry, Manifest,
 )
 from . import dtypes as _dtypes
+from . import fragments, sharding  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

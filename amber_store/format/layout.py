@@ -28,7 +28,10 @@ FORMAT_NAME = "amber-store"
 # 9: steps written through torch.distributed.checkpoint carry their layout as JSON (the state's
 # tree, each tensor's shards, each value's item) instead of DCP's pickled metadata; entries leave
 # out fields that are null.
-FORMAT_VERSION = 9
+# 10: a sharded step's index describes each tensor's shards once (a grid, format.sharding) and
+# names one fragment per rank holding its items' records in binary columns (format.fragments);
+# ranks write their arrays' zarr.json themselves, so the step group consolidates none.
+FORMAT_VERSION = 10
 ROOT_ATTR = "amber_store"
 COMMITS_DIR = "commits"
 CLAIMS_DIR = "claims"
@@ -147,11 +150,13 @@ def shard_index(index: list[list[int] | None]) -> bytes:
     return raw + np.uint32(crc32c.crc32c(raw)).astype("<u4").tobytes()
 
 
-def step_group_metadata(step: int, created: float, arrays: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def step_group_metadata(step: int, created: float, arrays: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
     """A step group's zarr.json: its attributes and the consolidated metadata of its arrays, so
-    no array needs a zarr.json of its own (``zarr.open_group(..., use_consolidated=True)``)."""
+    no array needs a zarr.json of its own (``zarr.open_group(..., use_consolidated=True)``);
+    ``None``: each array has its own (a sharded step's ranks write them)."""
     meta = group_metadata({ROOT_ATTR: {"step": step, "created": created}})
-    meta["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": arrays}
+    if arrays is not None:
+        meta["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": arrays}
     return meta
 
 

@@ -69,6 +69,11 @@ class Manifest:
     # segment since the last full step (position ``depth`` is this step), for base policies.
     packs: dict[str, Any] = field(default_factory=dict)
     segment: list[int] = field(default_factory=list)
+    # version 10: a sharded step's records live in one fragment object per rank (``None``: in
+    # ``tensors``), each ``{"key", "crc32c", "nbytes", "items"}`` or ``None`` (a rank that wrote
+    # nothing). Its ``tensors`` and ``packs`` then hold what was read of them
+    # (:meth:`History.entry`); they are not written here.
+    fragments: list[dict[str, Any] | None] | None = None
 
     @property
     def nbytes_raw(self) -> int:
@@ -79,7 +84,12 @@ class Manifest:
         return sum(e.stored for e in self.tensors.values())
 
     def to_json(self) -> bytes:
-        # (an entry's null optional fields left out: a sharded step has an entry per shard)
-        d = {**vars(self), "tensors": {k: {f: v for f, v in vars(e).items() if v is not None or f not in _OPTIONAL}
-                                       for k, e in self.tensors.items()}}
+        d = vars(self)
+        if self.fragments is None:
+            d = {k: v for k, v in d.items() if k != "fragments"}
+            # (an entry's null optional fields left out)
+            d["tensors"] = {k: {f: v for f, v in vars(e).items() if v is not None or f not in _OPTIONAL}
+                            for k, e in self.tensors.items()}
+        else:
+            d = {**d, "tensors": {}, "packs": {}}
         return json.dumps(d, separators=(",", ":")).encode()
