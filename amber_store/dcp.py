@@ -304,11 +304,10 @@ def sharded_index(metadata: Metadata, plans: list[SavePlan]) -> tuple[dict[str, 
             w = writers.get(index.fqn)
             if w is None:
                 w = writers[index.fqn] = [-1] * len(saved[index.fqn].chunks)
-            position = index.index
-            if position is None or not 0 <= position < len(w) or \
-                    tuple(saved[index.fqn].chunks[position].offsets) != tuple(index.offset or ()):
-                position = next(i for i, c in enumerate(saved[index.fqn].chunks)
-                                if tuple(c.offsets) == tuple(index.offset or ()))
+            position = index.index  # (DCP's default planner: the item's place in the tensor's chunks)
+            chunks = saved[index.fqn].chunks
+            if position is None or not 0 <= position < len(w) or chunks[position].offsets != index.offset:
+                position = next(i for i, c in enumerate(chunks) if tuple(c.offsets) == tuple(index.offset or ()))
             w[position] = rank
     rows: dict[tuple[int, ...], int] = {}
     tensors: dict[str, Any] = {}

@@ -475,7 +475,7 @@ class History:
         await self._claim(manifest, now)
         key = fmt.commit_key(manifest.step)
         self.unsettled = manifest  # (until the create's outcome is known)
-        created = await self.backend.put_if_absent(key, manifest.to_json())
+        created = await self.backend.put_if_absent(key, manifest.encode())
         ours = created or await self._is_ours(key, manifest)
         self.unsettled = None
         if not ours:
@@ -495,7 +495,7 @@ class History:
         assert manifest is not None
         key = fmt.commit_key(manifest.step)
         with storage_errors(self.uri, f"settling the commit of step {manifest.step}, whose answer never came"):
-            ours = await self.backend.bounded(self.backend.put_if_absent(key, manifest.to_json())) or \
+            ours = await self.backend.bounded(self.backend.put_if_absent(key, manifest.encode())) or \
                 await self._is_ours(key, manifest)
         self.unsettled = None
         if ours:
@@ -588,7 +588,7 @@ class History:
 
     async def replace(self, manifest: Manifest) -> None:
         """Atomically replace a committed step's manifest (retention's fold)."""
-        await self.backend.put(fmt.commit_key(manifest.step), manifest.to_json())
+        await self.backend.put(fmt.commit_key(manifest.step), manifest.encode())
         self.remember(manifest)
 
     async def uncommit(self, step: int) -> None:

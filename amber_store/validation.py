@@ -13,10 +13,13 @@ in an allocation of terabytes. docs/SECURITY.md states the guarantees.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
 from typing import Any
+
+import zstandard
 
 from . import format as fmt
 from .errors import CorruptDataError, FormatVersionError
@@ -24,6 +27,9 @@ from .errors import CorruptDataError, FormatVersionError
 #: The largest chunk (and packed tensor, and pack part) a reader accepts and a writer makes: a
 #: read allocates at most this per chunk the manifest lists (c-blosc 1.x frames stop at 2 GB).
 MAX_CHUNK_BYTES = 1 << 30
+#: The largest manifest JSON a compressed index may expand to.
+MAX_INDEX_BYTES = 1 << 31
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: The deepest state tree a manifest may hold (a model's nesting is a few dozen levels).
 MAX_TREE_DEPTH = 200
 
@@ -51,6 +57,14 @@ def parse_manifest(data: bytes) -> fmt.Manifest:
     """The manifest in ``data``, checked (:func:`validate`). Raises
     :class:`FormatVersionError` for a newer format (before anything else is looked at) and
     :class:`Invalid` for anything malformed."""
+    if data[:4] == ZSTD_MAGIC:  # a sharded step's index (format 10)
+        limit = min(MAX_INDEX_BYTES, (1 << 20) + 256 * len(data))
+        try:
+            data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read(limit + 1)
+        except zstandard.ZstdError as e:
+            raise Invalid(f"not a zstd frame ({e})") from None
+        if len(data) > limit:
+            raise Invalid(f"it expands past {limit} bytes")
     try:
         d = json.loads(data)
     except (ValueError, RecursionError) as e:

@@ -1,5 +1,5 @@
-"""torch.distributed.checkpoint at 2, 4 and 8 ranks: AmberStorageWriter/Reader against DCP's own
-writers in the same run, and a model of a 1,024-rank job.
+"""torch.distributed.checkpoint on 2 to 16 gloo ranks: AmberStorageWriter/Reader against DCP's own
+writers in the same run (beyond: benchmarks/scale_sim.py).
 
 Each run starts W gloo ranks on this machine. Every rank holds a model of ``--tensors``
 parameters (``--rows`` x ``--cols`` float32, DTensor ``Shard(0)``, as FSDP2 shards them) and its
@@ -7,16 +7,18 @@ AdamW state (``exp_avg``, ``exp_avg_sq`` sharded alike, ``step`` replicated), up
 AdamW steps on random gradients between saves. ``--saves`` saves (a full step, then deltas
 ``--gap`` optimizer steps apart) go through amber-store and through the peer (DCP's
 ``FileSystemWriter`` on a local directory, ``FsspecWriter`` on S3: one directory per step, as DCP
-users keep them), the order alternating per save; each is timed between barriers. Then each
-reader loads the last step *resharded* (into ``Shard(1)``), checked bit-exact on a sample.
+users keep them), the order alternating per save; each is timed between barriers (``--still``:
+no optimizer step before the last save, a delta step in which nothing changed). Then each
+reader resumes the last step onto the same ranks (``Shard(0)``), counting the metadata each
+rank reads, and loads it *resharded* (into ``Shard(1)``), checked bit-exact on a sample.
 
 Per save it records: wall time, the storage layer's coordinator time (the writer's
 ``prepare_global_plan`` + ``finish`` on rank 0; DCP's own planning is the same for both),
-objects and bytes written, and the bytes of per-step metadata (amber: the manifest, the DCP
-metadata object and the step group's zarr.json; the peer: ``.metadata``).
+objects and bytes written, and the bytes of per-step metadata (amber: the commit index, the
+ranks' fragments and the zarr.json objects; the peer: ``.metadata``).
 
     python benchmarks/dcp_scale.py                       # 2, 4, 8 ranks; local and SeaweedFS
-    python benchmarks/dcp_scale.py --worlds 2 --locations local --tensors 200
+    python benchmarks/dcp_scale.py --worlds 4 8 16 --locations local --tensors 500 --rows 64 --cols 64 --still
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def listing(fs: Any, root: str) -> dict[str, int]:
 
 
 def is_metadata(path: str) -> bool:
-    return path.endswith((".json", "/dcp.metadata", "/.metadata"))
+    return path.endswith((".json", "/dcp.metadata", "/.metadata")) or "/fragment-r" in path
 
 
 def rank_main(cfg: dict[str, Any]) -> None:
@@ -86,6 +88,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
+    import amber_store as amber
     from amber_store.dcp import AmberStorageReader, AmberStorageWriter
 
     dist.init_process_group("gloo")
@@ -129,7 +132,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     records: list[dict[str, Any]] = []
     for s in range(cfg["saves"]):
         if s:
-            train(cfg["gap"])
+            train(0 if cfg["still"] and s == cfg["saves"] - 1 else cfg["gap"])
         order = ["amber", "peer"] if s % 2 == 0 else ["peer", "amber"]
         for name in order:
             root = amber_uri if name == "amber" else f"{peer_root}/step_{s}"
@@ -150,9 +153,32 @@ def rank_main(cfg: dict[str, Any]) -> None:
                                 "objects": len(new), "bytes": sum(new.values()),
                                 "metadata": sum(b for p, b in new.items() if is_metadata(p))})
 
-    # a resharded load of the last step: Shard(0) -> Shard(1)
     last = cfg["saves"] - 1
     source = state()
+    # a resume onto the same ranks (Shard(0)): the metadata each rank reads
+    for name in ["amber", "peer"] if cfg["saves"] % 2 else ["peer", "amber"]:
+        target = {"model": {k: sharded(torch.zeros(rows, cols), 0) for k in names},
+                  "optim": {"state": {k: {"step": torch.zeros(()), "exp_avg": sharded(torch.zeros(rows, cols), 0),
+                                          "exp_avg_sq": sharded(torch.zeros(rows, cols), 0)} for k in names}}}
+        if name == "amber":
+            reader = AmberStorageReader(amber_uri, opts, step=last)
+            reader._store = amber.open(amber_uri, opts, mode="r")
+            counted = count_metadata_reads(reader._store.history.backend)
+        else:
+            reader = PeerReader(f"{peer_root}/step_{last}", **({} if cfg["peer"] == "FileSystemWriter" else opts))
+            counted = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.load(target, storage_reader=reader)
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        read = counted[0] if counted else fs.size(f"{peer_root}/step_{last}/.metadata")
+        reads: list[int] = [0] * world
+        dist.all_gather_object(reads, read)
+        if rank == 0:
+            records.append({"writer": name, "resume": last, "seconds": seconds, "metadata_read": reads})
+
+    # a resharded load of the last step: Shard(0) -> Shard(1)
     for i, name in enumerate(["amber", "peer"] if cfg["saves"] % 2 else ["peer", "amber"]):
         target = {"model": {k: sharded(torch.zeros(rows, cols), 1) for k in names},
                   "optim": {"state": {k: {"step": torch.zeros(()), "exp_avg": sharded(torch.zeros(rows, cols), 1),
@@ -178,6 +204,22 @@ def rank_main(cfg: dict[str, Any]) -> None:
             profile.dump_stats(cfg["profile"])
     dist.barrier()
     dist.destroy_process_group()
+
+
+def count_metadata_reads(backend: Any) -> list[int]:
+    """A one-item list that sums the bytes ``backend`` returns for metadata keys (the commit
+    index, fragments, zarr.json)."""
+    total = [0]
+    real = backend.get
+
+    async def get(key: str, byte_range: Any = None) -> Any:
+        got = await real(key, byte_range)
+        if got is not None and (key.startswith("commits/") or is_metadata(key)):
+            total[0] += len(got.to_bytes())
+        return got
+
+    backend.get = get
+    return total
 
 
 def peer(name: str) -> tuple[type, type]:
@@ -223,49 +265,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                   "metadata_bytes": statistics.median(pick(w, "metadata")),
                   "objects": statistics.median(pick(w, "objects")),
                   "full_bytes": pick(w, "bytes", True)[0], "delta_bytes": statistics.median(pick(w, "bytes", False)),
+                  "metadata_full": pick(w, "metadata", True)[0], "metadata_last": pick(w, "metadata", False)[-1],
                   "load_s": next(r["seconds"] for r in records if r["writer"] == w and "load" in r)}
+        resume = next(r for r in records if r["writer"] == w and "resume" in r)
+        out[w]["resume_s"] = resume["seconds"]
+        out[w]["resume_read"] = statistics.mean(resume["metadata_read"])
     return out
-
-
-def model_1024(measured: dict[tuple[str, int], dict[str, Any]], tensors: int, worlds: list[int]) -> str:
-    """A 1,024-rank, 10,000-tensor job (AdamW: 3 sharded tensors a parameter), scaled from the
-    per-item figures measured at the largest world."""
-    world = max(worlds)
-    local = measured.get(("local", world))
-    if local is None:
-        return ""
-    sharded_tensors = 3 * tensors  # weight, exp_avg, exp_avg_sq
-    items = sharded_tensors * world  # FSDP shards every tensor over every rank
-    ranks, big_tensors = 1024, 10_000
-    big_items = 3 * big_tensors * ranks
-    lines = [f"Scaled from {world} ranks x {tensors} parameters ({items:,} sharded items a step) to 1,024 ranks "
-             f"x {big_tensors:,} parameters with AdamW ({big_items:,} items a step; FSDP shards every tensor over "
-             "every rank, so items grow as ranks x tensors):", ""]
-    rows = []
-    for w in ("amber", "peer"):
-        m = local[w]
-        per_item = m["metadata_bytes"] / items
-        coord_per_item = m["coordinator_ms"] / items
-        rows.append([w, f"{per_item:.0f} B", f"{per_item * big_items / 1e9:.2f} GB",
-                     f"{coord_per_item * 1e3:.1f} us", f"{coord_per_item * big_items / 1e3:.0f} s",
-                     f"{m['objects']:.0f}", ""])
-    # amber: each rank's objects (its pack, its large items), then the group's zarr.json and the
-    # manifest; the peer: a file per rank and .metadata
-    per_rank = (local["amber"]["objects"] - 2) / world
-    rows[0][6] = f"{per_rank * ranks + 2:,.0f}"
-    rows[1][6] = f"{(local['peer']['objects'] - 1) / world * ranks + 1:,.0f}"
-    lines.append(table(["writer", "metadata per item", "metadata per step (1,024 x 10k)", "coordinator per item",
-                        "coordinator per step (1,024 x 10k)", f"objects per step ({world} ranks)",
-                        "objects per step (1,024 ranks)"], rows))
-    lines += ["", "Requests per resume (1,024 ranks, each reading its Shard(1) slice of every tensor): every rank "
-              "GETs the step's metadata once (amber-store: the manifest, JSON; DCP: .metadata, a pickle), each "
-              "the size above; then amber-store range-reads each stored chunk a rank overlaps, per layer of the "
-              "chain, and reads a pack whole once per load: with small shards packed, every rank reads every "
-              f"rank's pack of every layer, 1,024 x 1,024 = {1024 * 1024:,} GETs per layer in all (DCP's peer: "
-              "byte ranges of every rank's file, up to as many). The metadata is read 1,024 times: "
-              "1,024 x the size above per resume. Coordinator per item: linear in items at the measured "
-              "rate; where it goes is in docs/SCALE.md."]
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -278,6 +283,8 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=64)
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--gap", type=int, default=3, help="AdamW steps between saves")
+    p.add_argument("--still", action="store_true", help="no AdamW step before the last save (a delta in which "
+                                                        "nothing changed)")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     p.add_argument("--profile", type=Path, help="cProfile stats of amber-store's coordinator work (rank 0) here")
     args = p.parse_args()
@@ -289,6 +296,7 @@ def main() -> None:
 
     mb = args.tensors * args.rows * args.cols * 4 * 3 / 1e6
     base = {"tensors": args.tensors, "rows": args.rows, "cols": args.cols, "saves": args.saves, "gap": args.gap,
+            "still": args.still,
             "profile": str(args.profile) if args.profile else None}
     measured: dict[tuple[str, int], dict[str, Any]] = {}
     tmp = Path(tempfile.mkdtemp(prefix="amber-dcp-scale-"))
@@ -315,8 +323,10 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     print(f"state: {args.tensors} parameters of {args.rows}x{args.cols} float32 + AdamW ({mb:.0f} MB), DTensor "
-          f"Shard(0) over the ranks; {args.saves} saves {args.gap} AdamW steps apart, order alternating; load: "
-          "the last step resharded into Shard(1); peer: FileSystemWriter (local), FsspecWriter (SeaweedFS S3)\n")
+          f"Shard(0) over the ranks; {args.saves} saves {args.gap} AdamW steps apart"
+          f"{' (none before the last: nothing changed)' if args.still else ''}, order alternating; resume: the last "
+          "step onto the same ranks (metadata each rank reads, mean); load: the last step resharded into Shard(1); "
+          "peer: FileSystemWriter (local), FsspecWriter (SeaweedFS S3)\n")
     rows = []
     for (location, world), m in measured.items():
         a, b = m["amber"], m["peer"]
@@ -325,12 +335,15 @@ def main() -> None:
                      f"{a['load_s']:.2f} / {b['load_s']:.2f} ({a['load_s'] / b['load_s']:.2f}x)",
                      f"{a['delta_bytes'] / b['delta_bytes']:.2f}x",
                      f"{a['coordinator_ms']:.0f} / {b['coordinator_ms']:.0f}",
-                     f"{a['metadata_bytes'] / 1e3:.0f} / {b['metadata_bytes'] / 1e3:.0f}",
+                     f"{a['metadata_full'] / 1e3:.0f} / {b['metadata_full'] / 1e3:.0f}",
+                     f"{a['metadata_last'] / 1e3:.0f} / {b['metadata_last'] / 1e3:.0f}",
+                     f"{a['resume_read'] / 1e3:.0f} / {b['resume_read'] / 1e3:.0f}",
+                     f"{a['resume_s']:.2f} / {b['resume_s']:.2f}",
                      f"{a['objects']:.0f} / {b['objects']:.0f}"])
     print(table(["storage", "ranks", "save full s (amber / peer)", "save delta s", "resharded load s",
-                 "delta bytes vs peer", "coordinator ms", "metadata KB per step", "objects per step"], rows))
-    print()
-    print(model_1024(measured, args.tensors, args.worlds))
+                 "delta bytes vs peer", "coordinator ms", "metadata KB, full step", "metadata KB, last step",
+                 "metadata KB a resuming rank reads", "resume s", "objects per step"], rows))
+    print("\nAt 1,024 ranks and beyond: benchmarks/scale_sim.py (docs/SCALE.md).")
     if args.json:
         args.json.write_text(json.dumps({f"{k[0]}-{k[1]}": v for k, v in measured.items()}, indent=1))
 
