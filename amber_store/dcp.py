@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import io
+import operator
 import os
 import pickle
 import re
@@ -44,6 +46,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import crc32c
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
@@ -182,6 +186,11 @@ class AmberStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not all(getattr(p, "usable", True) for p in plans):
+            # DCP's plan caching sends ranks whose plan is unchanged nothing, and they write by the
+            # plan they cached: the last save's, whose step and attempt group this one is not.
+            raise ValueError("AmberStorageWriter does not work with DefaultSavePlanner(enable_plan_caching=True): "
+                             "ranks would write by an earlier save's plan; use a planner without plan caching")
         held = self._held()
         store = held.store
         if held.unfinished is not None:  # a save of this process that failed before its commit
@@ -235,7 +244,7 @@ class AmberStorageWriter(StorageWriter):
         # One result a rank: the coordinator's work is per rank, not per item.
         first = next(iter(keyed.values()))
         fut.set_result([WriteResult(index=first.index, size_in_bytes=sum(e.stored for e in written.entries.values()),
-                                    storage_data={"fragment": fragment})])
+                                    storage_data={"fragment": fragment, "items": items_written(plan)})])
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -245,10 +254,11 @@ class AmberStorageWriter(StorageWriter):
         assert decision is not None, "finish() before prepare_global_plan()"
         t0 = time.perf_counter()
         fragments: list[dict[str, Any] | None] = [None] * len(results)
+        written_by: list[dict[str, Any] | None] = [None] * len(results)
         for rank, rank_results in enumerate(results):
             for r in rank_results:
-                fragments[rank] = r.storage_data["fragment"]
-        tree, state = sharded_index(metadata, held.plans)
+                fragments[rank], written_by[rank] = r.storage_data["fragment"], r.storage_data["items"]
+        tree, state = sharded_index(metadata, held.plans, written_by)
         held.plans = []
         created = sync(writer.seal(decision, Written(), consolidated=False))
         extra: dict[str, Any] = {"dcp": {"state": state}}
@@ -282,34 +292,93 @@ class _Leaf:
         self.name = name
 
 
-def sharded_index(metadata: Metadata, plans: list[SavePlan]) -> tuple[dict[str, Any], dict[str, Any]]:
+def items_written(plan: SavePlan) -> dict[str, Any]:
+    """What the coordinator needs to know of a rank's items to say which rank holds each shard,
+    in a form it handles without a Python step per item: the place of each of its shards in its
+    tensor's chunks (DCP's default planner numbers them), as int32 bytes in plan order, with a
+    checksum of their tensors' names (ranks holding shards of the same tensors send the same);
+    and its whole tensors and values (few: each is written by one rank)."""
+    fqns, positions, whole = [], [], []
+    for item in plan.items:
+        index = item.index
+        if item.type == WriteItemType.SHARD and index.index is not None:
+            fqns.append(index.fqn)
+            positions.append(index.index)
+        else:
+            whole.append([index.fqn, None if index.offset is None else list(index.offset)])
+    return {"names": _names_crc(fqns), "positions": np.asarray(positions, dtype="<i4").tobytes(), "whole": whole}
+
+
+def _names_crc(fqns: list[str]) -> int:
+    return crc32c.crc32c("\0".join(fqns).encode())
+
+
+def _writers(metadata: Metadata, plans: list[SavePlan], written_by: list[dict[str, Any] | None]
+             ) -> tuple[dict[str, tuple[int, int]], np.ndarray, dict[str, int]]:
+    """Which rank wrote each chunk of each tensor: a flat array of ranks, each tensor's
+    ``(start, count)`` in it, and each value's rank. Ranks whose shards belong to the same
+    tensors share one lookup of their names (from the global plan); the rest is array work."""
+    saved = metadata.state_dict_metadata
+    where: dict[str, tuple[int, int]] = {}
+    total = 0
+    for fqn, md in saved.items():
+        if isinstance(md, TensorStorageMetadata):
+            where[fqn] = (total, len(md.chunks))
+            total += len(md.chunks)
+    flat = np.full(total, -1, dtype=np.int32)
+    values: dict[str, int] = {}
+    lookups: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for rank, items in enumerate(written_by):
+        if items is None:
+            continue
+        positions = np.frombuffer(items["positions"], dtype="<i4").astype(np.int64)
+        lookup = lookups.get(items["names"])
+        if lookup is None:
+            fqns = [it.index.fqn for it in plans[rank].items
+                    if it.type == WriteItemType.SHARD and it.index.index is not None]
+            if _names_crc(fqns) != items["names"] or len(fqns) != len(positions):
+                raise ValueError(f"rank {rank} wrote other items than the global plan gave it")
+            starts, counts = (np.fromiter((where[f][i] for f in fqns), np.int64, len(fqns)) for i in (0, 1))
+            lookup = lookups[items["names"]] = (starts, counts)
+        starts, counts = lookup
+        if len(positions) != len(starts) or ((positions < 0) | (positions >= counts)).any():
+            raise ValueError(f"rank {rank}'s shards are not at places of their tensors' chunks")
+        slots = starts + positions
+        if (flat[slots] >= 0).any():
+            raise ValueError(f"rank {rank} wrote a shard another rank wrote")
+        flat[slots] = rank
+        for fqn, offset in items["whole"]:
+            if fqn not in where:
+                values[fqn] = rank
+                continue
+            start, n = where[fqn]
+            chunks = saved[fqn].chunks
+            i = next((i for i, c in enumerate(chunks) if list(c.offsets) == list(offset or ())), None)
+            if i is None or flat[start + i] >= 0:
+                raise ValueError(f"rank {rank} wrote a shard of {fqn} at {offset} that DCP's metadata lacks")
+            flat[start + i] = rank
+    if (flat < 0).any():
+        missing = int(np.argmax(flat < 0))
+        fqn = next(f for f, (s, n) in where.items() if s <= missing < s + n)
+        raise ValueError(f"{fqn}: shard {saved[fqn].chunks[missing - where[fqn][0]]} is in DCP's metadata but "
+                         "no rank wrote it")
+    return where, flat, values
+
+
+def sharded_index(metadata: Metadata, plans: list[SavePlan], written_by: list[dict[str, Any] | None]
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The index of a sharded save (format 10): the state's tree, DCP's flattened keys
     unflattened as DCP's own ``unflatten_state_dict`` does (``planner_data``), and
     ``extra.dcp.state``: each tensor's dtype, global shape and shards (a grid where they make
     one: :mod:`amber_store.format.sharding`) with the row of ``owners`` saying which rank's
-    fragment holds each shard, and each value's item and rank. ``plans``: the global plan, one
-    per rank (which rank writes which item)."""
+    fragment holds each shard, and each value's item and rank. ``plans``: the global plan;
+    ``written_by``: each rank's :func:`items_written` (``None``: it wrote nothing)."""
     saved = metadata.state_dict_metadata
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     order = _state_order(metadata)
     paths = {fqn: tuple(mapping.get(fqn, (fqn,))) for fqn in order}
-    writers: dict[str, list[int]] = {}
-    value_writer: dict[str, int] = {}
-    for rank, plan in enumerate(plans):
-        for item in plan.items:
-            index = item.index
-            if item.type == WriteItemType.BYTE_IO:
-                value_writer[index.fqn] = rank
-                continue
-            w = writers.get(index.fqn)
-            if w is None:
-                w = writers[index.fqn] = [-1] * len(saved[index.fqn].chunks)
-            position = index.index  # (DCP's default planner: the item's place in the tensor's chunks)
-            chunks = saved[index.fqn].chunks
-            if position is None or not 0 <= position < len(w) or chunks[position].offsets != index.offset:
-                position = next(i for i, c in enumerate(chunks) if tuple(c.offsets) == tuple(index.offset or ()))
-            w[position] = rank
-    rows: dict[tuple[int, ...], int] = {}
+    where, flat, value_writer = _writers(metadata, plans, written_by)
+    rows: dict[bytes, int] = {}
     tensors: dict[str, Any] = {}
     values: dict[str, Any] = {}
     leaves: dict[str, _Leaf] = {}
@@ -321,18 +390,23 @@ def sharded_index(metadata: Metadata, plans: list[SavePlan]) -> tuple[dict[str, 
             values[name] = [fmt.sharding.value_key(fqn), value_writer[fqn]]
             continue
         shape = tuple(md.size)
-        shards_ = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-        described = fmt.sharding.describe(shape, shards_)
-        w = writers[fqn]
-        if described is not None:
-            grid, cells = described
-            row = [0] * len(cells)
-            for position, cell in enumerate(cells):
-                row[cell] = w[position]
-            desc: dict[str, Any] = {"grid": grid}
+        start, n = where[fqn]
+        w = flat[start: start + n]
+        grid = _in_grid_order(shape, md.chunks)
+        if grid is not None:  # (the common case, checked at C speed: DTensor's chunks in rank order)
+            row, desc = w, {"grid": grid}
         else:
-            row, desc = w, {"shards": [[list(o), list(s)] for o, s in shards_]}
-        k = rows.setdefault(tuple(row), len(rows))
+            w = w.tolist()
+            shards_ = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+            described = fmt.sharding.describe(shape, shards_)
+            if described is not None:
+                grid, cells = described
+                row = np.zeros(len(cells), dtype=np.int32)
+                row[np.asarray(cells)] = w
+                desc = {"grid": grid}
+            else:
+                row, desc = np.asarray(w, dtype=np.int32), {"shards": [[list(o), list(s)] for o, s in shards_]}
+        k = rows.setdefault(np.asarray(row, dtype=np.int32).tobytes(), len(rows))
         tensors[name] = {"dtype": fmt.dtype_name(md.properties.dtype), "shape": list(shape), **desc, "owners": k}
 
     def node(obj: Any) -> dict[str, Any]:
@@ -345,7 +419,28 @@ def sharded_index(metadata: Metadata, plans: list[SavePlan]) -> tuple[dict[str, 
         return {"value": None}  # a list slot that DCP's unflatten fills with None
 
     tree = node(unflatten_state_dict(leaves, paths))
-    return tree, {"tensors": tensors, "values": values, "owners": [list(r) for r in rows]}
+    return tree, {"tensors": tensors, "values": values,
+                  "owners": [np.frombuffer(r, dtype=np.int32).tolist() for r in rows]}
+
+
+def _in_grid_order(shape: tuple[int, ...], chunks: list[ChunkStorageMetadata]) -> list[int] | None:
+    """The grid of pieces as long as the first chunk's sides (``torch.chunk``'s split), if
+    ``chunks`` are exactly its cells in grid order; else ``None``."""
+    if not chunks or any(o for o in chunks[0].offsets):
+        return None
+    grid = list(chunks[0].sizes)
+    if any(c < 1 for c in grid):
+        return None
+    cells = _cells(shape, tuple(grid))
+    return grid if len(cells) == len(chunks) and list(map(_OFFSETS_SIZES, chunks)) == cells else None
+
+
+_OFFSETS_SIZES = operator.attrgetter("offsets", "sizes")
+
+
+@functools.lru_cache(maxsize=256)
+def _cells(shape: tuple[int, ...], grid: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return list(fmt.sharding.cells(shape, grid))
 
 
 def _state_order(metadata: Metadata) -> list[str]:

@@ -314,12 +314,11 @@ class History:
             raise CorruptDataError(f"{where} is damaged ({len(data)} bytes, checksum differs from the index's)",
                                    step=m.step)
         try:
-            entries, packs = fmt.fragments.decode(data, fmap.items(f), m.group, m.step)
+            entries, packs = fmt.fragments.decode(data, fmap.items(f), m.group, m.step,
+                                                  max_chunk=validation.MAX_CHUNK_BYTES, known=validation.ENCODINGS)
             for name, pack in packs.items():
-                validation.check_pack(name, validation._object(pack, f"pack {name!r}"))
+                validation.check_pack(name, pack)
                 validation.check_key(pack["array"], f"{m.group}/")
-            for key, e in entries.items():
-                validation.check_entry(m.step, packs, e)
         except (fmt.fragments.Invalid, validation.Invalid) as e:
             raise CorruptDataError(f"{where} is unreadable: {e}", step=m.step) from None
         m.packs.update(packs)

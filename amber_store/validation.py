@@ -34,7 +34,7 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_TREE_DEPTH = 200
 
 _BAD_KEY = re.compile(r"[\x00-\x1f\\:]")
-_ENCODINGS = ("full", "same", *fmt.DELTA_ENCODINGS)
+ENCODINGS = ("full", "same", *fmt.DELTA_ENCODINGS)
 _CONTAINERS = ("list", "tuple", "set", "frozenset")
 _LEAVES = ("value", "float", "bytes", "bytearray", "npy", "npscalar", "path", "dtype", "device", "size")
 
@@ -140,7 +140,7 @@ def check_entry(step: int, packs: dict[str, Any], e: fmt.TensorEntry) -> None:
     """Check one tensor entry of step ``step``, whose packs are ``packs``; raises :class:`Invalid`."""
     if not _named(e.dtype, fmt.ITEMSIZES):
         raise Invalid(f"dtype {e.dtype!r} is unknown")
-    if not _named(e.encoding, _ENCODINGS):
+    if not _named(e.encoding, ENCODINGS):
         raise Invalid(f"encoding {e.encoding!r} is unknown")
     shape, chunks = _ints(e.shape, "shape"), _ints(e.chunks, "chunks")
     if len(chunks) != len(shape):

@@ -56,7 +56,7 @@ from zarr.core.sync import sync  # noqa: E402
 
 import amber_store as amber  # noqa: E402
 from amber_store import format as fmt  # noqa: E402
-from amber_store.dcp import AmberStorageReader, AmberStorageWriter  # noqa: E402
+from amber_store.dcp import AmberStorageReader, AmberStorageWriter, items_written  # noqa: E402
 from amber_store.format import TensorEntry  # noqa: E402
 from amber_store.stepwriter import Written  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
@@ -202,9 +202,10 @@ def amber_run(job: Job, root: Path, seed: int = 0) -> dict[str, Any]:
         written = job.written(r, decision.group, rng)
         t0 = time.perf_counter()
         fragment = sync(store_writer.seal_rank(decision, written, r)) if written.entries else None
+        items = items_written(final[r])
         seal_s.append(time.perf_counter() - t0)
-        results.append([WriteResult(index=MetadataIndex("x"), size_in_bytes=0, storage_data={"fragment": fragment})]
-                       if fragment else [])
+        results.append([WriteResult(index=MetadataIndex("x"), size_in_bytes=0,
+                                    storage_data={"fragment": fragment, "items": items})] if fragment else [])
         del written
     t0 = time.perf_counter()
     writer.finish(metadata, results)

@@ -180,6 +180,70 @@ def main() -> None:
                 if rank == 0:
                     torch.save(expected_state, out / f"expected_{step}.pt")
             dcp.save(state, checkpoint_id=str(out / "dcp"))  # DCP's own FileSystemWriter, for import
+        elif job == "killed":  # FSDP2 steps 10 and 20; the victim rank is killed while writing step 20
+            import signal
+
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            out, victim = Path(options.pop("out")), int(options.pop("victim"))
+            model = fsdp_model()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in (10, 20):
+                torch.manual_seed(step)
+                model(torch.randn(8, 64)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                msd, osd = get_state_dict(model, optimizer)
+                state = {"model": msd, "optim": osd, "step": step}
+                full = gathered(state)
+                if rank == 0:
+                    torch.save(full, out / f"expected_{step}.pt")
+                save = lambda: dcp.save(state, storage_writer=AmberStorageWriter(uri, options, step=step,  # noqa: E731
+                                                                                 **store_options))
+                if step == 10:
+                    save()
+                    continue
+                if rank == victim:  # its items are written; it dies before it seals them
+                    from amber_store.writer import Writer
+
+                    def die(*args, **kwargs):
+                        print(f"rank {rank}: killed mid-save", flush=True)
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                    Writer.seal_rank = die
+                t0 = time.monotonic()
+                expect_failure(rank, save)
+                print(f"rank {rank}: failed after {time.monotonic() - t0:.1f} s", flush=True)
+        elif job == "fsdp_resume":  # resume the FSDP2 model and AdamW at the latest step, check it, save and gc
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            import amber_store as amber
+
+            out = Path(options.pop("out"))
+            model = fsdp_model()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model(torch.randn(8, 64)).square().mean().backward()  # (AdamW's state exists from a first step)
+            optimizer.step()
+            optimizer.zero_grad()
+            msd, osd = get_state_dict(model, optimizer)
+            state = {"model": msd, "optim": osd, "step": -1}
+            dcp.load(state, storage_reader=AmberStorageReader(uri, options))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            msd, osd = get_state_dict(model, optimizer)
+            got = gathered({"model": msd, "optim": osd, "step": state["step"]})
+            if rank == 0:
+                torch.save(got, out / f"resumed_{world}.pt")
+            step = state["step"] + 10
+            torch.manual_seed(step)
+            model(torch.randn(8, 64)).square().mean().backward()
+            optimizer.step()
+            msd, osd = get_state_dict(model, optimizer)
+            dcp.save({"model": msd, "optim": osd, "step": step},
+                     storage_writer=AmberStorageWriter(uri, options, step=step, **store_options))
+            if rank == 0:
+                report = amber.open(uri, options or None, mode="a").gc(keep_last=2, grace_seconds=0)
+                print(f"rank 0: resumed at step {state['step']}, saved step {step}, gc removed "
+                      f"{report.objects_removed} objects", flush=True)
         elif job == "manager":  # a sharded CheckpointManager: "train" saves steps 2, 4, 6; "resume" restores one
             from torch.distributed.checkpoint.state_dict import get_state_dict
 

@@ -26,6 +26,7 @@ from amber_store.dcp import AmberStorageReader, AmberStorageWriter
 from backends.process import free_port
 from conftest import BUCKET, CountingStore, assert_bit_equal, assert_tree_bit_equal, flip_stored_byte, is_data_key
 from zarr.abc.store import RangeByteRequest
+from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
 WORKER = Path(__file__).parent / "dcp_workers.py"
@@ -425,3 +426,44 @@ def test_a_rank_failing_to_open_the_store_makes_every_rank_raise_at_once(tmp_pat
             assert ("KeyboardInterrupt" if how == "interrupt" else "PermissionError") in line, line
         else:
             assert "AmberError" in line and f"rank {failing}:" in line, line
+
+
+def test_a_rank_killed_mid_save_fails_the_others_at_once_and_a_job_on_fewer_ranks_resumes_bit_exact_and_cleans_up(
+        tmp_path):
+    uri = str(tmp_path / "ckpt")
+    procs = start("killed", 4, uri, {"out": str(tmp_path), "victim": 2})
+    results = [(p.returncode, out) for p in procs for out, _ in [p.communicate(timeout=300)]]
+    assert results[2][0] == -9 and "killed mid-save" in results[2][1]  # SIGKILL: no cleanup of its own
+    for rank in (0, 1, 3):
+        code, out = results[rank]
+        assert code == 0 and "save failed as expected" in out, out
+        seconds = float(out.split("failed after ")[1].split(" s")[0])
+        assert seconds < 30, out  # the dead peer is noticed, not waited for (gloo: 60 s timeout)
+    store = amber.open(uri, mode="r")
+    assert store.steps() == [10]
+    strays = [a.group for a in sync(store.history.stray_attempts(grace_seconds=0))]
+    assert len(strays) == 1 and strays[0].startswith("steps/000000000020-")
+    outs = launch("fsdp_resume", 3, uri, {"out": str(tmp_path)})
+    assert "resumed at step 10, saved step 20" in outs[0]
+    assert_tree_bit_equal(torch.load(tmp_path / "resumed_3.pt", weights_only=True),
+                          torch.load(tmp_path / "expected_10.pt", weights_only=True))
+    store = amber.open(uri, mode="r")
+    assert store.steps() == [10, 20] and sync(store.history.stray_attempts(grace_seconds=0)) == []
+    assert not (tmp_path / "ckpt" / strays[0]).exists()
+
+
+def test_dcp_plan_caching_is_refused_with_a_clear_error_rather_than_writing_by_a_stale_plan(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    uri = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(12.0).reshape(3, 4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process
+        dcp.save(state, storage_writer=AmberStorageWriter(uri, step=1),
+                 planner=DefaultSavePlanner(enable_plan_caching=True), no_dist=True)
+        with pytest.raises(CheckpointException, match="enable_plan_caching"):
+            dcp.save({"w": state["w"] + 1}, storage_writer=AmberStorageWriter(uri, step=2),
+                     planner=DefaultSavePlanner(enable_plan_caching=True), no_dist=True)
+    store = amber.open(uri, mode="r")
+    assert store.steps() == [1] and torch.equal(store.load(1, lazy=False)["w"], state["w"])

@@ -13,6 +13,7 @@ import torch
 import zstandard
 
 import amber_store as amber
+from amber_store import validation
 from amber_store.errors import CorruptDataError
 from amber_store.format import TensorEntry, fragments, sharding
 from conftest import CountingStore
@@ -79,13 +80,14 @@ def items_of(es: dict[str, TensorEntry]) -> list[fragments.Item]:
     return [fragments.Item(k, e.dtype, None if k.endswith("/bytes") else tuple(e.shape)) for k, e in sorted(es.items())]
 
 
+LIMITS = {"max_chunk": validation.MAX_CHUNK_BYTES, "known": validation.ENCODINGS}
 PACKS = {"pack-r0": {"array": "steps/000000000005-ab/pack-r0", "chunk": 1 << 20, "nbytes": 293, "index": [[0, 250]]}}
 
 
 def test_a_fragment_gives_back_every_record_it_was_written_with():
     es = entries()
     data = fragments.encode(es, PACKS)
-    got, packs = fragments.decode(data, items_of(es), "steps/000000000005-ab", 5)
+    got, packs = fragments.decode(data, items_of(es), "steps/000000000005-ab", 5, **LIMITS)
     assert packs == PACKS
     for key, e in es.items():
         g = got[key]
@@ -100,16 +102,23 @@ def test_a_crafted_fragment_is_refused_before_it_allocates_or_misreads():
     items = items_of(es)
     data = fragments.encode(es, PACKS)
     with pytest.raises(fragments.Invalid, match="expands past"):  # a zstd bomb: 1 GB of zeros
-        fragments.decode(zstandard.ZstdCompressor(level=19).compress(bytes(1 << 30)), items, "steps/x", 5)
+        fragments.decode(zstandard.ZstdCompressor(level=19).compress(bytes(1 << 30)), items, "steps/x", 5, **LIMITS)
     with pytest.raises(fragments.Invalid, match="it holds 7 items; the index gives it 6"):
-        fragments.decode(data, items[:6], "steps/x", 5)
+        fragments.decode(data, items[:6], "steps/x", 5, **LIMITS)
     raw = zstandard.ZstdDecompressor().decompress(data)
     with pytest.raises(fragments.Invalid, match="ends past"):
-        fragments.decode(zstandard.ZstdCompressor().compress(raw[:-40]), items, "steps/x", 5)
+        fragments.decode(zstandard.ZstdCompressor().compress(raw[:-40]), items, "steps/x", 5, **LIMITS)
     with pytest.raises(fragments.Invalid, match="follow its last column"):
-        fragments.decode(zstandard.ZstdCompressor().compress(raw + b"\0" * 8), items, "steps/x", 5)
+        fragments.decode(zstandard.ZstdCompressor().compress(raw + b"\0" * 8), items, "steps/x", 5, **LIMITS)
     with pytest.raises(fragments.Invalid, match="not a zstd frame|no magic"):
-        fragments.decode(b"\x28\xb5\x2f\xfdgarbage", items, "steps/x", 5)
+        fragments.decode(b"\x28\xb5\x2f\xfdgarbage", items, "steps/x", 5, **LIMITS)
+    for key, change, message in (("w/0_0", {"pack": ["pack-r0", 280, 60]}, "not inside a pack"),
+                                 ("w/0_0", {"base": 5}, "not an earlier step"),
+                                 ("same/0", {"encoding": "diff"}, "record of kind 0"),
+                                 ("w/0_0", {"encoding": "rot13"}, "unknown")):
+        crafted = {k: TensorEntry(**{**vars(e), **(change if k == key else {})}) for k, e in es.items()}
+        with pytest.raises(fragments.Invalid, match=message):
+            fragments.decode(fragments.encode(crafted, PACKS), items, "steps/x", 5, **LIMITS)
 
 
 # --- through DCP ----------------------------------------------------------------------------

@@ -100,9 +100,13 @@ def encode(entries: dict[str, TensorEntry], packs: dict[str, Any]) -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
-def decode(data: bytes, items: Sequence[Item], group: str, step: int) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chunk: int,
+           known: Sequence[str]) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
     """The entries (by key) and packs of the fragment in ``data``, whose items the index says
-    are ``items`` (in key order), written into ``group`` at ``step``. Raises :class:`Invalid`."""
+    are ``items`` (in key order), written into ``group`` at ``step``, each checked as a
+    manifest's entries are (:mod:`amber_store.validation`: ``known`` encodings, chunks and
+    packed items of at most ``max_chunk`` bytes, bases earlier steps, pack locations inside the
+    fragment's packs; its packs' own records are the caller's to check). Raises :class:`Invalid`."""
     limit = min(_MAX_BYTES, (1 << 20) + 64 * len(items) + _RATIO * len(data))
     try:
         raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read(limit + 1)
@@ -128,8 +132,12 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int) -> tuple[d
     encodings, packs, params = header.get("encodings"), header.get("packs"), header.get("params")
     shapes = header.get("shapes")
     if not (isinstance(encodings, list) and all(isinstance(x, str) for x in encodings) and isinstance(packs, dict)
-            and isinstance(params, dict) and isinstance(shapes, dict)):
+            and all(isinstance(v, dict) for v in packs.values()) and isinstance(params, dict)
+            and all(isinstance(v, dict) for v in params.values()) and isinstance(shapes, dict)):
         raise Invalid("its header is malformed")
+    unknown = set(encodings) - set(known)
+    if unknown:
+        raise Invalid(f"encoding {sorted(unknown)[0]!r} is unknown")
     items = [it if it.shape is not None else Item(it.key, it.dtype, _length(shapes.get(str(i)), it.key))
              for i, it in enumerate(items)]
     pack_names = list(packs)
@@ -152,6 +160,8 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int) -> tuple[d
         at += len(it.shape)
         if any(x < 1 or x > max(1, s) for x, s in zip(c, it.shape)):
             raise Invalid(f"item {it.key!r}: chunks {list(c)} do not fit shape {list(it.shape)}")
+        if math.prod(c) * ITEMSIZES[it.dtype] > max_chunk:
+            raise Invalid(f"item {it.key!r}: a chunk of {list(c)} is over the {max_chunk}-byte limit")
         chunk_shapes.append(c)
     counts = [max(1, math.prod(chunk_grid(it.shape, c))) for it, c in zip(items, chunk_shapes)]
     crcs = column("crc32c", "<u4", sum(counts))
@@ -160,10 +170,19 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int) -> tuple[d
     at_crc = at_index = 0
     for i, it in enumerate(items):
         encoding = _name(encodings, enc[i])
+        nbytes = math.prod(it.shape) * ITEMSIZES[it.dtype]
+        if encoding != "full" and not 0 <= base[i] < step:
+            raise Invalid(f"item {it.key!r}: base {base[i]} is not an earlier step")
+        if (kind[i] == 0) != (encoding == "same"):
+            raise Invalid(f"item {it.key!r}: a {encoding} record of kind {kind[i]}")
         loc = idx = array = None
         if kind[i] == 2:
-            if pack[i] >= len(pack_names):
-                raise Invalid(f"item {it.key!r}: pack number {pack[i]} of {len(pack_names)}")
+            if pack[i] >= len(pack_names) or (plen[i] and (
+                    pack[i] < 0 or poff[i] + plen[i] > packs[pack_names[pack[i]]].get("nbytes", -1))):
+                raise Invalid(f"item {it.key!r}: pack location {[pack[i], poff[i], plen[i]]} is not inside a pack "
+                              "of the fragment")
+            if nbytes > max_chunk or (encoding == "full" and plen[i] not in (0, nbytes)):
+                raise Invalid(f"item {it.key!r}: {plen[i]} packed bytes for {nbytes} bytes of values")
             loc = [pack_names[pack[i]] if pack[i] >= 0 else "", poff[i], plen[i]]
         elif kind[i] == 1:
             pairs = index[at_index: at_index + 2 * counts[i]]
@@ -175,7 +194,7 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int) -> tuple[d
         out[it.key] = TensorEntry(
             dtype=it.dtype, shape=list(it.shape), chunks=list(chunk_shapes[i]), encoding=encoding,  # type: ignore[arg-type]
             base=None if base[i] < 0 else base[i], array=array, crc32c=crcs[at_crc: at_crc + counts[i]],
-            nbytes=math.prod(it.shape) * ITEMSIZES[it.dtype], stored=stored[i], params=params.get(str(i)),
+            nbytes=nbytes, stored=stored[i], params=params.get(str(i)),
             index=idx, pack=loc)
         at_crc += counts[i]
     if pos != len(raw):
