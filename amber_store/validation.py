@@ -22,6 +22,7 @@ from typing import Any
 import zstandard
 
 from . import format as fmt
+from . import shards
 from .errors import CorruptDataError, FormatVersionError
 
 #: The largest chunk (and packed tensor, and pack part) a reader accepts and a writer makes: a
@@ -267,22 +268,34 @@ def _check_index(m: fmt.Manifest, state: dict[str, Any]) -> set[str]:
                 raise Invalid(f"dcp tensor {name!r}: {problem}")
             n = fmt.sharding.count(shape, t["grid"])
         else:
-            shards = t.get("shards")
-            if not isinstance(shards, list):
+            listed = t.get("shards")
+            if not isinstance(listed, list):
                 raise Invalid(f"dcp tensor {name!r}: no grid and no shards")
-            for shard in shards:
+            for shard in listed:
                 if not (isinstance(shard, list) and len(shard) == 2):
                     raise Invalid(f"dcp tensor {name!r}: shard {shard!r}")
                 offset, size = _ints(shard[0], "shard offset"), _ints(shard[1], "shard size")
                 if not (len(offset) == len(size) == len(shape) and all(o + s <= d for o, s, d in zip(offset, size, shape))):
                     raise Invalid(f"dcp tensor {name!r}: shard {shard!r} does not fit {shape}")
-            n = len(shards)
+            n = len(listed)
         if len(owners[k]) != n:
             raise Invalid(f"dcp tensor {name!r}: {n} shards, {len(owners[k])} owners")
     for name, v in values.items():
         if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
-                and (v[1] in present if present is not None else _is_int(v[1]))):
+                and _is_int(v[1]) and (present is None or v[1] in present)):
             raise Invalid(f"dcp value {name!r}: {v!r}")
+    if present is None:  # its records are its own entries: each shard and value must have one
+        _check_tree(m.tree, set(tensors) | set(values), 0)
+        layout = shards.layout_of(m)
+        assert layout is not None
+        for name, t in layout.tensors.items():
+            for (_, key), size in zip(t.shards, t.sizes):
+                e = m.tensors.get(key)
+                if e is None or e.dtype != t.dtype or tuple(e.shape) != size:
+                    raise Invalid(f"dcp tensor {name!r}: shard {key!r} is no entry of {t.dtype}{list(size)}")
+        for name, key in layout.values.items():
+            if key not in m.tensors:
+                raise Invalid(f"dcp value {name!r} names no entry of the step")
     return set(tensors) | set(values)
 
 

@@ -3,7 +3,9 @@
 Each case copies a store (by default the committed format fixture of the current version, whose
 steps hold every encoding, packs, shards and a sharded DCP step), mutates one value of one
 step's manifest where it says where and how the bytes lie (tensor entries, packs, extra, group,
-bases, segment, version), then opens the store and loads that step whole and its info. The
+bases, segment, version, a sharded step's fragments), or, in a sharded step, one value of one
+of its fragments (header or columns; the index's record of its checksum then made to match),
+then opens the store and loads that step whole and its info. The
 outcome must be a bit-exact load or an :class:`amber_store.AmberError`, within seconds; never
 another exception, and never a file opened outside the store (an audit hook watches for a
 canary file the mutations point at, and for /etc/passwd). `make test` runs 300 cases
@@ -19,12 +21,16 @@ import json
 import os
 import random
 import shutil
+import struct
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+import crc32c
+import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,7 +40,9 @@ from amber_store import format as fmt  # noqa: E402
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "data" / f"format-v{fmt.FORMAT_VERSION}"
 #: the parts of a manifest that say where and how the bytes lie (its tree has no checksum: a
 #: changed plain value there is not damage a reader can see)
-FIELDS = ("tensors", "packs", "extra", "group", "base", "segment", "depth", "kind", "format_version", "step")
+FIELDS = ("tensors", "packs", "extra", "group", "base", "segment", "depth", "kind", "format_version", "step",
+          "fragments")
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: a case that takes longer than this has hung, as far as the fuzz is concerned
 CASE_SECONDS = 10.0
 
@@ -57,10 +65,10 @@ def places(obj: Any, path: tuple[Any, ...] = ()) -> Any:
             yield from places(v, (*path, i))
 
 
-def mutate(d: dict[str, Any], rng: random.Random, canary: Path) -> str:
+def mutate(d: dict[str, Any], rng: random.Random, canary: Path, fields: tuple[str, ...] = FIELDS) -> str:
     """Change one value of manifest ``d`` in place (delete it, nudge a number, or put another
-    value there); what was done, in words."""
-    spots = [(p, v) for p, v in places(d) if p and p[0] in FIELDS]
+    value there) below one of ``fields``; what was done, in words."""
+    spots = [(p, v) for p, v in places(d) if p and p[0] in fields]
     path, value = rng.choice(spots)
     parent = d
     for part in path[:-1]:
@@ -74,6 +82,30 @@ def mutate(d: dict[str, Any], rng: random.Random, canary: Path) -> str:
     else:
         parent[path[-1]] = rng.choice(values(rng, canary))
     return f"{path} = {parent[path[-1]]!r}"[:200]
+
+
+def mutate_fragment(root: Path, d: dict[str, Any], rng: random.Random, canary: Path) -> str:
+    """Change one fragment of the sharded step of index ``d``: a value of its header, or a byte of
+    its columns; then give the index the fragment's new checksum and length, so that the change
+    reaches the fragment's reader. What was done, in words."""
+    i = rng.choice([i for i, f in enumerate(d["fragments"]) if f])
+    record = d["fragments"][i]
+    path = root / record["key"]
+    raw = zstandard.ZstdDecompressor().stream_reader(path.read_bytes()).read()
+    (hlen,) = struct.unpack_from("<I", raw, 4)
+    if rng.random() < 0.5:
+        header = json.loads(raw[8: 8 + hlen])
+        what = mutate(header, rng, canary, fields=tuple(header))
+        text = json.dumps(header).encode()
+        raw = raw[:4] + struct.pack("<I", len(text)) + text + raw[8 + hlen:]
+    else:
+        at = rng.randrange(8 + hlen, len(raw))
+        raw = raw[:at] + bytes([raw[at] ^ (1 << rng.randrange(8))]) + raw[at + 1:]
+        what = f"bit flipped at byte {at - 8 - hlen} of the columns"
+    data = zstandard.ZstdCompressor().compress(raw)
+    path.write_bytes(data)
+    record.update(crc32c=crc32c.crc32c(data), nbytes=len(data))
+    return f"fragment {i}: {what}"
 
 
 def fuzz(cases: int, seed: int, work: Path, same: Callable[[Any, Any], None],
@@ -105,9 +137,15 @@ def fuzz(cases: int, seed: int, work: Path, same: Callable[[Any, Any], None],
         shutil.copytree(fixture, root)
         step = rng.choice(sorted(expected))
         path = root / fmt.commit_key(step)
-        d = json.loads(path.read_bytes())
-        what = mutate(d, rng, canary)
-        path.write_bytes(json.dumps(d).encode())
+        raw = path.read_bytes()
+        compressed = raw[:4] == ZSTD_MAGIC  # (a sharded step's index)
+        d = json.loads(zstandard.ZstdDecompressor().stream_reader(raw).read() if compressed else raw)
+        if d.get("fragments") and rng.random() < 0.5:
+            what = mutate_fragment(root, d, rng, canary)
+        else:
+            what = mutate(d, rng, canary)
+        text = json.dumps(d).encode()
+        path.write_bytes(zstandard.ZstdCompressor().compress(text) if compressed else text)
         t0 = time.perf_counter()
         watching.set()
         try:

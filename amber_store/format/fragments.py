@@ -23,6 +23,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import crc32c
 import numpy as np
 import zstandard
 
@@ -93,7 +94,8 @@ def encode(entries: dict[str, TensorEntry], packs: dict[str, Any]) -> bytes:
         if e.params:
             params[str(i)] = e.params
     header = json.dumps({"format_version": FORMAT_VERSION, "items": len(entries), "encodings": encodings,
-                         "packs": {n: packs[n] for n in pack_names}, "params": params, "shapes": shapes},
+                         "packs": {n: packs[n] for n in pack_names}, "params": params, "shapes": shapes,
+                         "described": described([Item(k, e.dtype, tuple(e.shape)) for k, e in zip(keys, entries)])},
                         separators=(",", ":")).encode()
     body = b"".join(np.asarray(cols[name], dtype=dt).tobytes() for name, dt in COLUMNS)
     raw = MAGIC + struct.pack("<I", len(header)) + header + body
@@ -132,7 +134,8 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chu
     encodings, packs, params = header.get("encodings"), header.get("packs"), header.get("params")
     shapes = header.get("shapes")
     if not (isinstance(encodings, list) and all(isinstance(x, str) for x in encodings) and isinstance(packs, dict)
-            and all(isinstance(v, dict) for v in packs.values()) and isinstance(params, dict)
+            and all(isinstance(v, dict) and type(v.get("nbytes")) is int for v in packs.values())
+            and isinstance(params, dict)
             and all(isinstance(v, dict) for v in params.values()) and isinstance(shapes, dict)):
         raise Invalid("its header is malformed")
     unknown = set(encodings) - set(known)
@@ -140,6 +143,8 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chu
         raise Invalid(f"encoding {sorted(unknown)[0]!r} is unknown")
     items = [it if it.shape is not None else Item(it.key, it.dtype, _length(shapes.get(str(i)), it.key))
              for i, it in enumerate(items)]
+    if header.get("described") != described(items):
+        raise Invalid("its items' keys, dtypes or shapes are not those the index gives it")
     pack_names = list(packs)
     pos = 8 + hlen
 
@@ -200,6 +205,14 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chu
     if pos != len(raw):
         raise Invalid(f"{len(raw) - pos} bytes follow its last column")
     return out, packs
+
+
+def described(items: Sequence[Item]) -> int:
+    """A checksum of the items' keys, dtypes and shapes: a fragment keeps the one its rank wrote
+    it with, so that an index that describes its tensors otherwise (a crafted or damaged dtype
+    or grid) is refused rather than read by."""
+    text = "\n".join(f"{it.key}\0{it.dtype}\0{','.join(map(str, it.shape or ()))}" for it in items)
+    return crc32c.crc32c(text.encode())
 
 
 def _length(shape: Any, key: str) -> tuple[int, ...]:
