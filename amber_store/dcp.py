@@ -56,7 +56,7 @@ from torch.futures import Future
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (
@@ -132,6 +132,39 @@ def item_key(index: MetadataIndex, kind: WriteItemType | LoadItemType) -> str:
     if kind in (WriteItemType.BYTE_IO, LoadItemType.BYTE_IO):
         return fmt.sharding.value_key(index.fqn)
     return fmt.sharding.item_key(index.fqn, index.offset or ())
+
+
+#: Replicated items up to this many bytes are written by the lowest rank holding them (:class:`AmberSavePlanner`).
+SMALL_REPLICA_BYTES = 1 << 20
+
+
+class AmberSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that a replicated item of up to
+    :data:`SMALL_REPLICA_BYTES` (an optimizer's ``step``, a norm's weight under tensor
+    parallelism, a Python value) is written by the lowest rank that holds it rather than spread
+    over the ranks. A resuming rank needs every replicated item; written by one rank, their
+    records are in that rank's fragment, so a resume reads the index, that fragment and its
+    own (spread, the fragments of every rank that wrote one: up to all of them). Larger
+    replicas stay balanced as DCP balances them. Pass it to ``dcp.save``/``dcp.async_save``
+    (``planner=AmberSavePlanner()``); :class:`~amber_store.manager.CheckpointManager` does."""
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        lowest: dict[MetadataIndex, int] = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                if _small(item):
+                    lowest.setdefault(item.index, rank)
+        plans = [dataclasses.replace(plan, items=[item for item in plan.items
+                                                  if not _small(item) or lowest[item.index] == rank])
+                 for rank, plan in enumerate(all_plans)]
+        return super()._dedup_save_plans(plans)
+
+
+def _small(item: Any) -> bool:
+    if item.type == WriteItemType.BYTE_IO:
+        return True
+    size = item.tensor_storage_size()
+    return size is not None and size <= SMALL_REPLICA_BYTES
 
 
 class AmberStorageWriter(StorageWriter):

@@ -136,7 +136,7 @@ class CheckpointManager:
         import torch.distributed as dist
         import torch.distributed.checkpoint as torch_dcp
 
-        from .dcp import AmberStorageWriter
+        from .dcp import AmberStorageWriter, AmberSavePlanner
 
         self.wait()  # one pending save: training waits here when saves take longer than steps
         state: dict[str, Any] = {"step": step, **_sharded_state(model, optimizer)}
@@ -148,11 +148,12 @@ class CheckpointManager:
         writer = AmberStorageWriter(self.store, step=step, metrics=metrics)
         coordinator = dist.get_rank() == 0
         if not self.async_save:
-            torch_dcp.save(state, storage_writer=writer)
+            torch_dcp.save(state, storage_writer=writer, planner=AmberSavePlanner())
             if coordinator:
                 self._retain(None)
             return None
-        saving = torch_dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        saving = torch_dcp.async_save(state, storage_writer=writer, planner=AmberSavePlanner(),
+                                      process_group=self._group)
         done: Future[Any] = Future()
 
         def retain(f: Future[Any]) -> None:  # (on DCP's thread, after its last collective)

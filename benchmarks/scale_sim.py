@@ -225,7 +225,10 @@ def amber_run(job: Job, root: Path, seed: int = 0) -> dict[str, Any]:
         reader = AmberStorageReader(uri, step=1)
         reader._store = store
         t0 = time.perf_counter()
-        index_m = sync(store.history.index(1))
+        metadata = reader.read_metadata()  # the index, and DCP's Metadata every rank plans its load with
+        metadata_s = time.perf_counter() - t0
+        del metadata
+        t0 = time.perf_counter()
         q = world // 3  # a rank in the middle
         rows = range(q * -(-job.rows // world), min(job.rows, (q + 1) * -(-job.rows // world)))
         shards = sorted({i // job.piece for i in (rows.start, rows.stop - 1)} | set(range(rows.start // job.piece,
@@ -233,8 +236,8 @@ def amber_run(job: Job, root: Path, seed: int = 0) -> dict[str, Any]:
         keys = [fmt.sharding.item_key(fqn, (s * job.piece, 0)) for fqn in job.sharded for s in shards]
         keys += [fmt.sharding.item_key(fqn, ()) for fqn in job.steps]
         sync(store.history.entries(1, keys))
-        reads[label] = {"bytes": counting.bytes, "requests": counting.requests, "seconds": time.perf_counter() - t0}
-        del index_m
+        reads[label] = {"bytes": counting.bytes, "requests": counting.requests, "seconds": time.perf_counter() - t0,
+                        "metadata_s": metadata_s}
         store.close()
     return {"index": index, "fragments": fragments, "zarr_json": zarr_json, "metadata": total,
             "plan_s": plan_s, "finish_s": finish_s, "seal_s": sum(seal_s) / len(seal_s), "seal_max_s": max(seal_s),
@@ -304,7 +307,9 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=256)
     p.add_argument("--max-items", type=int, default=40_000_000,
                    help="skip configurations with more items (this machine's memory)")
-    p.add_argument("--dcp-planning", action="store_true", help="also time DCP's create_global_plan")
+    p.add_argument("--dcp-planning", action="store_true", help="also time DCP's create_global_plan (real write "
+                                                               "items: up to --dcp-planning-items items)")
+    p.add_argument("--dcp-planning-items", type=int, default=3_100_000)
     p.add_argument("--lowest", action="store_true",
                    help="replicated items all written by rank 0 (DCP's dedup_save_to_lowest_rank=True), "
                         "not spread over the ranks (DCP's default)")
@@ -324,7 +329,7 @@ def main() -> None:
                 ours = amber_run(job, root)
                 gc.collect()
                 peer = dcp_run(job, root) if job.items <= DCP_MAX_ITEMS else None
-                planning = dcp_planning(job) if args.dcp_planning and job.items <= DCP_MAX_ITEMS else None
+                planning = dcp_planning(job) if args.dcp_planning and job.items <= args.dcp_planning_items else None
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             row = {"ranks": ranks, "params": params, "items": job.items, "amber": ours, "dcp": peer,
@@ -355,11 +360,13 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                     f"{a['seal_s'] * 1e3:.0f}",
                     f"{_mb(same['bytes'])} / {same['requests']}", f"{_mb(half['bytes'])} / {half['requests']}",
                     f"{100 * same['bytes'] / a['metadata']:.2f}%",
-                    f"{_mb(d['metadata'])}{mark} / 1" if d else "-"])
+                    f"{_mb(d['metadata'])}{mark} / 1" if d else "-",
+                    f"{same['metadata_s']:.2f} / {d['read_s']:.2f}{mark}" if d else f"{same['metadata_s']:.2f} / -",
+                    f"{r['dcp_planning_s']:.1f}" if r.get("dcp_planning_s") else "-"])
     headers = ["ranks", "params", "items", "index", "metadata (amber)", "metadata (DCP)", "ratio",
                "coordinator s (amber)", "coordinator s (DCP)", "per-rank seal ms",
                "resume reads, same world (bytes / GETs)", "resume reads, half world", "share read",
-               "resume reads (DCP, every rank)"]
+               "resume reads (DCP, every rank)", "read_metadata s (amber / DCP)", "DCP's create_global_plan s"]
     text = "\n".join([
         "# Sharded bookkeeping at scale (benchmarks/scale_sim.py)", "",
         f"Machine: {machine()}. Command: `python benchmarks/scale_sim.py {' '.join(sys.argv[1:])}`".rstrip(), "",
@@ -368,8 +375,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"{'rank 0: dedup_save_to_lowest_rank=True' if args.lowest else 'the ranks in turn, as DCP deduplicates by default'}). amber metadata: the index (commit), the ranks' fragments and the "
         "step's zarr.json objects; DCP: `.metadata`. Coordinator: amber's `finish` (index, group "
         "zarr.json, commit), DCP's `FileSystemWriter.finish`. Resume reads: one rank's metadata reads "
-        "(the index, then the fragments holding the items it needs). * scaled per item from the largest "
-        "size DCP's writer ran at here.", "",
+        "(the index, then the fragments holding the items it needs), and how long `read_metadata` takes "
+        "(DCP's `Metadata` of every shard, which DCP's load planner needs on every rank). * scaled per "
+        "item from the largest size DCP's writer ran at here.", "",
         table(headers, out), ""])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -403,6 +403,10 @@ def test_a_sharded_checkpoint_manager_saves_on_every_rank_and_restores_onto_anot
     store = amber.open(uri, opts or None, mode="r")
     assert store.steps() == [4, 6]
     assert store.load(6)["model"]["0.weight"].shape == (256, 64)
+    # AmberSavePlanner: replicated items (AdamW's steps, values) all in rank 0's fragment
+    index = sync(store.history.index(6)).extra["dcp"]["state"]
+    single = [index["owners"][t["owners"]] for t in index["tensors"].values() if t["shape"] == []]
+    assert single and all(row == [0] for row in single) and {f for _, f in index["values"].values()} == {0}
     saved = torch.load(tmp_path / "state_4.pt", weights_only=True)
     for world in (3, 2):
         launch("manager", world, uri, {**job, "phase": "resume", "restore": 4})
