@@ -321,6 +321,12 @@ class History:
                 validation.check_key(pack["array"], f"{m.group}/")
         except (fmt.fragments.Invalid, validation.Invalid) as e:
             raise CorruptDataError(f"{where} is unreadable: {e}", step=m.step) from None
+        same = [(key, e) for key, e in entries.items() if e.encoding == "same"]
+        bases = await gather(self.entry(e.base, key) for key, e in same)  # (each an earlier step: no cycle)
+        for (key, e), b in zip(same, bases):
+            if b is None or b.encoding == "same" or (b.shape, b.dtype, b.chunks) != (e.shape, e.dtype, e.chunks):
+                raise CorruptDataError.at(self.uri, m.step, key, f"its base step {e.base} holds no such tensor")
+            e.crc32c = b.crc32c
         m.packs.update(packs)
         m.tensors.update(entries)
 

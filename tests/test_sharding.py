@@ -94,6 +94,9 @@ def test_a_fragment_gives_back_every_record_it_was_written_with():
         if e.pack is not None and e.pack[2] == 0:
             assert g.pack[1:] == e.pack[1:]  # (an empty location names no pack)
             g.pack = e.pack
+        if e.encoding == "same":
+            assert g.crc32c == []  # (its base's are its own: History fills them in)
+            g.crc32c = e.crc32c
         assert g == e, key
 
 
@@ -134,9 +137,14 @@ def test_reading_one_ranks_shards_fetches_the_index_and_that_ranks_fragment_only
     counting = CountingStore(LocalStore(str(fixture_store), read_only=True))
     store = amber.open(counting, mode="r")
     counting.ranges.clear()
-    sync(store.history.entries(5, ["model.w/3_0", "optim.state.w.exp_avg/3_0"]))  # rank 1's rows
+    got = sync(store.history.entries(5, ["model.w/3_0", "model.emb/0_3"]))  # rank 1's shards
     fetched = sorted(k for k, _ in counting.ranges)
-    assert fetched == ["commits/000000000005.json", f"{sync(store.history.index(5)).group}/fragment-r1"]
+    # (and, for the checksums of its items that did not change, rank 1's fragment of their base step)
+    assert fetched == ["commits/000000000004.json", "commits/000000000005.json",
+                       f"{sync(store.history.index(4)).group}/fragment-r1",
+                       f"{sync(store.history.index(5)).group}/fragment-r1"]
+    emb = got["model.emb/0_3"]
+    assert emb.encoding == "same" and emb.crc32c == sync(store.history.entry(4, "model.emb/0_3")).crc32c != []
 
 
 def test_a_sharded_steps_index_is_small_compressed_json_naming_checked_fragments(fixture_store):

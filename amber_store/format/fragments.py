@@ -3,7 +3,8 @@
 A sharded step's index (the manifest) describes each tensor once (:mod:`.sharding`); what
 differs between its shards lives in one fragment object per rank, ``<group>/fragment-r<rank>``:
 for each item the rank wrote, its encoding, base step, stored bytes, chunk shape, one crc32c
-per chunk, and where its bytes lie (a location in one of the rank's packs, or the chunk index
+per chunk (but for a ``same`` item: its base's, which a reader takes from there; so a step in
+which nothing changed costs next to nothing a shard), and where its bytes lie (a location in one of the rank's packs, or the chunk index
 of its own shard object), plus the rank's packs and any codec parameters. The records are
 columns of little-endian integers, compressed with zstd (a packed shard's record is ~10 bytes),
 in the order of the items' keys; which items a fragment holds, and their shapes and dtypes,
@@ -88,7 +89,8 @@ def encode(entries: dict[str, TensorEntry], packs: dict[str, Any]) -> bytes:
         cols["poff"].append(e.pack[1] if e.pack is not None else 0)
         cols["plen"].append(e.pack[2] if e.pack is not None else 0)
         cols["chunks"].extend(e.chunks)
-        cols["crc32c"].extend(e.crc32c)
+        if kind:  # (a ``same`` item's checksums are its base's: its reader takes them from there)
+            cols["crc32c"].extend(e.crc32c)
         if e.index is not None:
             cols["index"].extend(v for loc in e.index for v in (loc if loc is not None else (_ABSENT, _ABSENT)))
         if e.params:
@@ -105,7 +107,8 @@ def encode(entries: dict[str, TensorEntry], packs: dict[str, Any]) -> bytes:
 def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chunk: int,
            known: Sequence[str]) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
     """The entries (by key) and packs of the fragment in ``data``, whose items the index says
-    are ``items`` (in key order), written into ``group`` at ``step``, each checked as a
+    are ``items`` (in key order), written into ``group`` at ``step`` (a ``same`` entry's
+    ``crc32c`` left empty: its base's are its own), each checked as a
     manifest's entries are (:mod:`amber_store.validation`: ``known`` encodings, chunks and
     packed items of at most ``max_chunk`` bytes, bases earlier steps, pack locations inside the
     fragment's packs; its packs' own records are the caller's to check). Raises :class:`Invalid`."""
@@ -169,7 +172,7 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chu
             raise Invalid(f"item {it.key!r}: a chunk of {list(c)} is over the {max_chunk}-byte limit")
         chunk_shapes.append(c)
     counts = [max(1, math.prod(chunk_grid(it.shape, c))) for it, c in zip(items, chunk_shapes)]
-    crcs = column("crc32c", "<u4", sum(counts))
+    crcs = column("crc32c", "<u4", sum(c for c, k in zip(counts, kind) if k))
     index = column("index", "<u8", 2 * sum(c for c, k in zip(counts, kind) if k == 1))
     out: dict[str, TensorEntry] = {}
     at_crc = at_index = 0
@@ -198,10 +201,10 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chu
             raise Invalid(f"item {it.key!r}: kind {kind[i]}")
         out[it.key] = TensorEntry(
             dtype=it.dtype, shape=list(it.shape), chunks=list(chunk_shapes[i]), encoding=encoding,  # type: ignore[arg-type]
-            base=None if base[i] < 0 else base[i], array=array, crc32c=crcs[at_crc: at_crc + counts[i]],
+            base=None if base[i] < 0 else base[i], array=array, crc32c=crcs[at_crc: at_crc + counts[i]] if kind[i] else [],
             nbytes=nbytes, stored=stored[i], params=params.get(str(i)),
             index=idx, pack=loc)
-        at_crc += counts[i]
+        at_crc += counts[i] if kind[i] else 0
     if pos != len(raw):
         raise Invalid(f"{len(raw) - pos} bytes follow its last column")
     return out, packs
