@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import functools
 import io
+import json
 import operator
 import os
 import pickle
@@ -484,15 +485,39 @@ def _state_order(metadata: Metadata) -> list[str]:
     return [fqn for fqn in mapping if fqn in saved] + [fqn for fqn in saved if fqn not in mapping]
 
 
-def metadata_of(layout: shards.Layout) -> Metadata:
-    """DCP's ``Metadata`` of a sharded step, rebuilt from its layout: each tensor's shards as
-    chunks, each value as bytes, the flattening's paths as ``planner_data``, and each item's
-    key as ``storage_data``."""
+def metadata_of(m: Manifest) -> Metadata:
+    """DCP's ``Metadata`` of a sharded step, rebuilt from its record: each tensor's shards as
+    chunks, each value as bytes, the flattening's paths as ``planner_data``. Since format 10,
+    from the index alone, tensors of one shape and grid sharing one list of chunks (DCP's load
+    planner only reads them), so that it costs a rank the tensors and the grids, not every
+    shard; before, from the layout, with each item's key as ``storage_data``."""
     state: dict[str, Any] = {}
     planner_data: dict[str, tuple[str | int, ...]] = {}
+    index = m.extra["dcp"]["state"]
+    if "owners" in index:
+        chunk_lists: dict[str, list[ChunkStorageMetadata]] = {}
+        for name, path in shards.paths(m.tree).items():
+            fqn = ".".join(map(str, path))  # DCP's flattened key
+            planner_data[fqn] = path
+            t = index["tensors"].get(name)
+            if t is None:
+                state[fqn] = BytesStorageMetadata()
+                continue
+            described = json.dumps([t["shape"], t.get("grid"), t.get("shards")])
+            chunks = chunk_lists.get(described)
+            if chunks is None:
+                cells = (fmt.sharding.cells(t["shape"], t["grid"]) if "grid" in t
+                         else ((tuple(o), tuple(s)) for o, s in t["shards"]))
+                chunks = chunk_lists[described] = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                                                   for o, s in cells]
+            state[fqn] = TensorStorageMetadata(TensorProperties(dtype=fmt.DTYPES[t["dtype"]]), torch.Size(t["shape"]),
+                                               chunks)
+        return Metadata(state, planner_data=planner_data)
+    layout = shards.layout_of(m)
+    assert layout is not None
     keys: dict[MetadataIndex, str] = {}
     for name, path in shards.paths(layout.tree).items():
-        fqn = ".".join(map(str, path))  # DCP's flattened key
+        fqn = ".".join(map(str, path))
         planner_data[fqn] = path
         if name in layout.values:
             state[fqn] = BytesStorageMetadata()
@@ -637,11 +662,10 @@ class AmberStorageReader(StorageReader):
         dcp_info = manifest.extra.get("dcp")
         if not dcp_info:
             raise NotAnAmberStoreError(f"{store.uri}: step {step} was not written through torch.distributed.checkpoint")
-        if dcp_info.get("state") is not None and "owners" not in dcp_info["state"]:
-            sync(store.history.manifest(step))  # format 9: shard sizes are in the entries
-        layout = shards.layout_of(manifest)
-        if layout is not None:
-            return metadata_of(layout)
+        if dcp_info.get("state") is not None:
+            if "owners" not in dcp_info["state"]:
+                sync(store.history.manifest(step))  # format 9: shard sizes are in the entries
+            return metadata_of(manifest)
         # format 8: DCP's Metadata pickled beside the step (written by this package's own writer)
         raw = sync(store.history.backend.get(dcp_info["metadata"]))
         if raw is None:
@@ -666,7 +690,7 @@ class AmberStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         store = self._open()
         assert self.step is not None
-        keys = [self._keys[req.storage_index] for req in plan.items]
+        keys = [self._keys.get(req.storage_index) or item_key(req.storage_index, req.type) for req in plan.items]
         entries = sync(store.history.entries(self.step, sorted(set(keys))))  # only the fragments holding them
         wanted = [(req, LazyTensor(store.reader, self.step, key, entries[key])) for req, key in zip(plan.items, keys)]
 

@@ -50,7 +50,7 @@ def run(job: str, world: int, uri: str, options: dict) -> list[tuple[int, str, s
 def equal(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-            a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+            a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
