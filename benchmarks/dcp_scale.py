@@ -89,7 +89,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import amber_store as amber
-    from amber_store.dcp import AmberStorageReader, AmberStorageWriter
+    from amber_store.dcp import AmberSavePlanner, AmberStorageReader, AmberStorageWriter
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -143,7 +143,8 @@ def rank_main(cfg: dict[str, Any]) -> None:
             cls.coordinator = 0.0
             dist.barrier()
             t0 = time.perf_counter()
-            dcp.save(state(), storage_writer=writer)
+            # amber-store as its docs advise: replicated items on the lowest rank (AmberSavePlanner)
+            dcp.save(state(), storage_writer=writer, **({"planner": AmberSavePlanner()} if name == "amber" else {}))
             dist.barrier()
             seconds = time.perf_counter() - t0
             if rank == 0:

@@ -272,6 +272,7 @@ def main() -> None:
     cold_md, cold = run("cold_load", "--mb", "256" if args.quick else "1024", "--rounds", "5")
     dcp_md, _ = run("dcp_bench", *(["--width", "128", "--layers", "2", "--warmup", "30"] if args.quick else []))
     scale_md, scale = run("dcp_scale", *(["--worlds", "2", "4", "--tensors", "300"] if args.quick else []))
+    sim_md, _ = run("scale_sim", "--lowest", *(["--ranks", "64", "256", "--params", "1000"] if args.quick else []))
     codecs_md, codecs = run("codecs_bench", "--mb", "32" if args.quick else "64")
     lossy_md, lossy_data = run("lossy", *(["--quick"] if args.quick else []))
     seeds_md, seeds = run("resume_seeds", *(["--steps", "100", "--resume-steps", "60", "--width", "128", "--layers", "2",
@@ -411,11 +412,17 @@ Where amber-store loses:
 
 {dcp_md}
 
-## torch.distributed.checkpoint at 2, 4 and 8 ranks, and a 1,024-rank model
+## torch.distributed.checkpoint on gloo ranks
 
-`python benchmarks/dcp_scale.py` (see docs/SCALE.md for the model and where the coordinator's time goes)
+`python benchmarks/dcp_scale.py` (docs/SCALE.md says what the columns mean)
 
 {scale_md}
+
+## Sharded bookkeeping simulated to 4,096 ranks
+
+`python benchmarks/scale_sim.py --lowest` (docs/SCALE.md)
+
+{sim_md}
 
 ## Lossy codecs: bytes against resumed loss (Pareto)
 

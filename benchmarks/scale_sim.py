@@ -315,6 +315,7 @@ def main() -> None:
                         "not spread over the ranks (DCP's default)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "scale_sim.md")
     p.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "scale_sim.png")
+    p.add_argument("--json", type=Path, help="the raw figures here (default: beside --out)")
     args = p.parse_args()
     rows = []
     for params in args.params:
@@ -381,7 +382,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         table(headers, out), ""])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    (args.out.with_suffix(".json")).write_text(json.dumps(rows, indent=1))
+    (args.json or args.out.with_suffix(".json")).write_text(json.dumps(rows, indent=1))
     print(text)
     plot(rows, args.plot)
 
