@@ -68,6 +68,17 @@ def fsdp_model() -> torch.nn.Module:
     return fully_shard(model)
 
 
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> tuple[dict, dict]:
+    """One AdamW step on the batch of ``step`` (the same on every rank); the state dicts after it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(step)
+    model(torch.randn(8, 64)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return get_state_dict(model, optimizer)
+
+
 def expect_failure(rank: int, save) -> None:
     """Run ``save``, which must fail; print the failure (DCP raises a CheckpointException, a
     BaseException, on every rank, carrying each failed rank's error)."""
@@ -163,17 +174,11 @@ def main() -> None:
                                                                                     **store_options)))
             print(f"rank {rank}: failed after {time.monotonic() - t0:.1f} s", flush=True)
         elif job == "fsdp":  # an FSDP2 model and AdamW, saved at training steps 10 and 20 (and as DCP files)
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
             out = Path(options.pop("out"))
             model = fsdp_model()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             for step in (10, 20):
-                torch.manual_seed(step)
-                model(torch.randn(8, 64)).square().mean().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                msd, osd = get_state_dict(model, optimizer)
+                msd, osd = train_step(model, optimizer, step)
                 state = {"model": msd, "optim": osd, "step": step, "run": {"name": "mlp", "seed": 0}}
                 dcp.save(state, storage_writer=AmberStorageWriter(uri, options, step=step, **store_options))
                 expected_state = gathered(state)
@@ -183,17 +188,11 @@ def main() -> None:
         elif job == "killed":  # FSDP2 steps 10 and 20; the victim rank is killed while writing step 20
             import signal
 
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
             out, victim = Path(options.pop("out")), int(options.pop("victim"))
             model = fsdp_model()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             for step in (10, 20):
-                torch.manual_seed(step)
-                model(torch.randn(8, 64)).square().mean().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                msd, osd = get_state_dict(model, optimizer)
+                msd, osd = train_step(model, optimizer, step)
                 state = {"model": msd, "optim": osd, "step": step}
                 full = gathered(state)
                 if rank == 0:
@@ -222,10 +221,7 @@ def main() -> None:
             out = Path(options.pop("out"))
             model = fsdp_model()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            model(torch.randn(8, 64)).square().mean().backward()  # (AdamW's state exists from a first step)
-            optimizer.step()
-            optimizer.zero_grad()
-            msd, osd = get_state_dict(model, optimizer)
+            msd, osd = train_step(model, optimizer, 0)  # (AdamW's state exists from a first step)
             state = {"model": msd, "optim": osd, "step": -1}
             dcp.load(state, storage_reader=AmberStorageReader(uri, options))
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -234,10 +230,7 @@ def main() -> None:
             if rank == 0:
                 torch.save(got, out / f"resumed_{world}.pt")
             step = state["step"] + 10
-            torch.manual_seed(step)
-            model(torch.randn(8, 64)).square().mean().backward()
-            optimizer.step()
-            msd, osd = get_state_dict(model, optimizer)
+            msd, osd = train_step(model, optimizer, step)
             dcp.save({"model": msd, "optim": osd, "step": step},
                      storage_writer=AmberStorageWriter(uri, options, step=step, **store_options))
             if rank == 0:

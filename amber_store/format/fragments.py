@@ -112,13 +112,10 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chu
     manifest's entries are (:mod:`amber_store.validation`: ``known`` encodings, chunks and
     packed items of at most ``max_chunk`` bytes, bases earlier steps, pack locations inside the
     fragment's packs; its packs' own records are the caller's to check). Raises :class:`Invalid`."""
-    limit = min(_MAX_BYTES, (1 << 20) + 64 * len(items) + _RATIO * len(data))
     try:
-        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read(limit + 1)
-    except zstandard.ZstdError as e:
-        raise Invalid(f"not a zstd frame ({e})") from None
-    if len(raw) > limit:
-        raise Invalid(f"it expands past {limit} bytes, more than its {len(items)} items justify")
+        raw = inflate(data, min(_MAX_BYTES, (1 << 20) + 64 * len(items) + _RATIO * len(data)))
+    except ValueError as e:
+        raise Invalid(f"{e}, more than its {len(items)} items justify" if "expands" in str(e) else str(e)) from None
     if raw[:4] != MAGIC or len(raw) < 8:
         raise Invalid("not a fragment (no magic)")
     (hlen,) = struct.unpack_from("<I", raw, 4)
@@ -208,6 +205,18 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chu
     if pos != len(raw):
         raise Invalid(f"{len(raw) - pos} bytes follow its last column")
     return out, packs
+
+
+def inflate(data: bytes, limit: int) -> bytes:
+    """The zstd frame ``data`` decompressed, refused (ValueError) as soon as it expands past
+    ``limit`` bytes: what its header claims is never allocated."""
+    try:
+        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read(limit + 1)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"not a zstd frame ({e})") from None
+    if len(raw) > limit:
+        raise ValueError(f"it expands past {limit} bytes")
+    return raw
 
 
 def described(items: Sequence[Item]) -> int:
