@@ -506,10 +506,8 @@ def metadata_of(m: Manifest) -> Metadata:
             described = json.dumps([t["shape"], t.get("grid"), t.get("shards")])
             chunks = chunk_lists.get(described)
             if chunks is None:
-                cells = (fmt.sharding.cells(t["shape"], t["grid"]) if "grid" in t
-                         else ((tuple(o), tuple(s)) for o, s in t["shards"]))
                 chunks = chunk_lists[described] = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
-                                                   for o, s in cells]
+                                                   for o, s in shards.cells_of(t["shape"], t)]
             state[fqn] = TensorStorageMetadata(TensorProperties(dtype=fmt.DTYPES[t["dtype"]]), torch.Size(t["shape"]),
                                                chunks)
         return Metadata(state, planner_data=planner_data)

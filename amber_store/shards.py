@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -75,13 +75,14 @@ def layout_of(m: Manifest) -> Layout | None:
     for name, fqn in _fqns(m.tree, state["tensors"]).items():
         t = state["tensors"][name]
         shape = tuple(t["shape"])
-        shards = list(_shards(shape, t))
+        shards = list(cells_of(shape, t))
         tensors[name] = ShardedTensor(t["dtype"], shape, tuple((o, sharding.item_key(fqn, o)) for o, _ in shards),
                                       tuple(s for _, s in shards))
     return Layout(m.tree, tensors, {name: key for name, (key, _) in state["values"].items()})
 
 
-def _shards(shape: tuple[int, ...], t: dict[str, Any]) -> Any:
+def cells_of(shape: Sequence[int], t: dict[str, Any]) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The shards (offset, size) of a format-10 index's tensor ``t``: its grid's cells, or its list."""
     if "grid" in t:
         return sharding.cells(shape, t["grid"])
     return ((tuple(o), tuple(s)) for o, s in t["shards"])

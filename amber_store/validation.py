@@ -129,6 +129,8 @@ def validate(m: fmt.Manifest) -> None:
             state = _object(dcp["state"], "extra.dcp.state")
             names = _check_index(m, state) if "owners" in state else _check_layout(m, state)
     _check_tree(m.tree, names, 0)
+    if dcp is not None and "owners" in (dcp.get("state") or {}) and m.fragments is None:
+        _check_own_records(m)
 
 
 def check_entry(step: int, packs: dict[str, Any], e: fmt.TensorEntry) -> None:
@@ -278,19 +280,22 @@ def _check_index(m: fmt.Manifest, state: dict[str, Any]) -> set[str]:
         if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
                 and _is_int(v[1]) and (present is None or v[1] in present)):
             raise Invalid(f"dcp value {name!r}: {v!r}")
-    if present is None:  # its records are its own entries: each shard and value must have one
-        _check_tree(m.tree, set(tensors) | set(values), 0)
-        layout = shards.layout_of(m)
-        assert layout is not None
-        for name, t in layout.tensors.items():
-            for (_, key), size in zip(t.shards, t.sizes):
-                e = m.tensors.get(key)
-                if e is None or e.dtype != t.dtype or tuple(e.shape) != size:
-                    raise Invalid(f"dcp tensor {name!r}: shard {key!r} is no entry of {t.dtype}{list(size)}")
-        for name, key in layout.values.items():
-            if key not in m.tensors:
-                raise Invalid(f"dcp value {name!r} names no entry of the step")
     return set(tensors) | set(values)
+
+
+def _check_own_records(m: fmt.Manifest) -> None:
+    """A format-10 index that holds its records itself (a step gc folded): each shard and value
+    has an entry, of its shard's dtype and size (its tree checked already)."""
+    layout = shards.layout_of(m)
+    assert layout is not None
+    for name, t in layout.tensors.items():
+        for (_, key), size in zip(t.shards, t.sizes):
+            e = m.tensors.get(key)
+            if e is None or e.dtype != t.dtype or tuple(e.shape) != size:
+                raise Invalid(f"dcp tensor {name!r}: shard {key!r} is no entry of {t.dtype}{list(size)}")
+    for name, key in layout.values.items():
+        if key not in m.tensors:
+            raise Invalid(f"dcp value {name!r} names no entry of the step")
 
 
 def check_tree(tree: Any, names: set[str]) -> None:
