@@ -155,8 +155,8 @@ class AmberSavePlanner(DefaultSavePlanner):
             for item in plan.items:
                 if _small(item):
                     lowest.setdefault(item.index, rank)
-        plans = [dataclasses.replace(plan, items=[item for item in plan.items
-                                                  if not _small(item) or lowest[item.index] == rank])
+        # (an item not small is in no entry: its own rank keeps it for DCP's balancing below)
+        plans = [dataclasses.replace(plan, items=[item for item in plan.items if lowest.get(item.index, rank) == rank])
                  for rank, plan in enumerate(all_plans)]
         return super()._dedup_save_plans(plans)
 
