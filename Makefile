@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml $(wildcard amber_store/codecs/native/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0 $(TORCH_INDEX)
 	$(PY) -m pip install --quiet -e ".[test]"
+	# torchtitan for its integration's tests, without its `datasets` (which caps fsspec below the
+	# s3fs/gcsfs the tests use, and sends pip's resolver back through every lightning release):
+	# what torchtitan's checkpointer, optimizers and dataloader import
+	$(PY) -m pip install --quiet --no-deps "torchtitan>=0.3,<0.4" spmd_types==0.2.3
+	$(PY) -m pip install --quiet "tyro>=0.9" "torchdata>=0.8"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -168,6 +168,13 @@ def _small(item: Any) -> bool:
     return size is not None and size <= SMALL_REPLICA_BYTES
 
 
+def store_for(uri: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Store:
+    """The store DCP saves to ``uri`` go through in this process, opened (writable, created if
+    need be) on first use: one writer identity and one cache of bases for every save, which
+    retention (``gc``) in this process must share; ``options`` are :func:`amber_store.open`'s."""
+    return _process(uri, storage_options, options).store
+
+
 class AmberStorageWriter(StorageWriter):
     """A DCP StorageWriter that saves into an amber-store step.
 

@@ -90,7 +90,7 @@ class CheckpointManager:
         # once would find each other's half-written root. Every rank learns of every rank's
         # failure (an interrupt included), so that none waits for a collective that never comes.
         def open_here() -> None:
-            self.store = dcp._process(uri, storage_options, options).store
+            self.store = dcp.store_for(uri, storage_options, **options)
 
         coordinator = dist.get_rank() == 0
         _together(open_here if coordinator else lambda: None, src=0,
