@@ -6,7 +6,8 @@ DCP's planner for everything distributed: which rank writes which shard (DTensor
 shards, deduplicated replicas), and how a checkpoint saved from N ranks is resharded onto M.
 amber-store only stores the items: each DCP write item (one tensor shard, or a pickled object)
 becomes one tensor of an amber step, encoded as a delta against the same item of the previous
-step by the rank that owns it, which keeps that base in host memory for its own shards. Each
+step by the rank that owns it, which keeps that base for its own shards (``base_cache``: a
+local spill file by default, :mod:`amber_store.bases`). Each
 rank writes through the same step writer as :meth:`Store.save`: its small items into one pack
 of its own (``pack-r<rank>``), each large item as one object.
 
@@ -80,7 +81,8 @@ from .lazy import LazyTensor
 from .options import Options
 from .reader import ReadSession
 from .runtime import gather
-from .stepwriter import BaseCache, Written
+from .bases import BaseCache, Bits
+from .stepwriter import Written
 from .store import Store, check_metrics, open
 from .writer import StepPlan
 
@@ -94,8 +96,8 @@ class _Process:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.cache = BaseCache()
-        self.pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.cache = BaseCache(store.options.base_cache, store.options.spill_dir)
+        self.pending: tuple[int, dict[str, Bits]] | None = None
         self.unfinished: StepPlan | None = None
         self.plans: list[SavePlan] = []  # the coordinator's: which rank writes which item
         self.numbered = False  # whether a save without a step has been told so
@@ -268,7 +270,7 @@ class AmberStorageWriter(StorageWriter):
             return fut
         try:
             written = writer.write(decision, lambda out: writer.add_tensors(out, tensors, decision, cache=held.cache),
-                                   pack_name=f"{fmt.PACK_PREFIX}-r{rank}", recycle=held.cache.recycle,
+                                   pack_name=f"{fmt.PACK_PREFIX}-r{rank}", keeper=held.cache.keeper(),
                                    deadline=deadline)
         except (TimeoutError, asyncio.TimeoutError) as e:
             if deadline is None or time.monotonic() < deadline:

@@ -4,10 +4,12 @@ writer read them from it."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from . import format as fmt
+from .bases import BASE_CACHES, BaseCacheMode
 from .codecs import CodecPolicy, Compression, Policy
 from .history import BASE_POLICIES
 from .validation import MAX_CHUNK_BYTES
@@ -52,7 +54,15 @@ class Options:
             always checked before they are decoded).
         durable: make every data object durable (fsync) before the commit, on local disks.
         progress: show a tqdm bar while saving.
-        max_inflight_bytes: bound on tensor bytes encoded but not yet written.
+        max_inflight_bytes: bound on tensor bytes encoded but not yet written (256 MiB: the
+            encoded chunks a save holds while storage lags; 64 requests of 4 MiB chunks).
+        base_cache: where this process keeps the values its next delta saves diff against
+            (:mod:`~amber_store.bases`): ``"spill"`` (default: a local temporary file, written
+            as a save encodes and read back by chunk, in the page cache while it fits; a few
+            chunks of the process's memory), ``"memory"`` (host memory: the fastest saves, the
+            state's size resident) or ``"none"`` (each base read back from the store).
+        spill_dir: the directory of ``base_cache="spill"``'s files (``None``: ``$TMPDIR``); a
+            local disk with room for twice the state. A tmpfs holds them in memory.
         codec: the delta codec of each tensor: ``"lossless"`` (default: the integer difference
             of the raw bits, :class:`~amber_store.codecs.DiffDeltaCodec`), ``"xor"`` (lossless:
             raw bits XOR the base's), ``"lossy"`` (the recommended lossy preset: block-quantized,
@@ -87,7 +97,9 @@ class Options:
     verify_checksums: bool = True
     durable: bool = True
     progress: bool = False
-    max_inflight_bytes: int = 1 << 30
+    max_inflight_bytes: int = 256 << 20
+    base_cache: BaseCacheMode = "spill"
+    spill_dir: str | None = None
     codec: CodecPolicy = "lossless"
     max_pending: int = 1
     snapshot: str = "host"
@@ -115,6 +127,10 @@ class Options:
             raise ValueError(f"pack_threshold must be between 0 and {MAX_CHUNK_BYTES} bytes, not {self.pack_threshold!r}")
         if self.max_pending < 1:
             raise ValueError("max_pending must be >= 1")
+        if self.base_cache not in BASE_CACHES:
+            raise ValueError(f"base_cache must be one of {', '.join(BASE_CACHES)}, not {self.base_cache!r}")
+        if self.spill_dir is not None and not os.path.isdir(self.spill_dir):
+            raise ValueError(f"spill_dir {self.spill_dir!r} is not a directory")
         if self.snapshot not in ("host", "device"):
             raise ValueError(f"snapshot must be 'host' or 'device', not {self.snapshot!r}")
         object.__setattr__(self, "compression", Compression(self.compressor, self.compression_level))

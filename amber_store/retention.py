@@ -299,7 +299,7 @@ def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int])
         for key in todo:
             value = writer.materialized(step, key)
             ref = refs.get(key)
-            if ref is not None and not torch.equal(fmt.to_bits(value), ref.bits) and \
+            if ref is not None and not torch.equal(fmt.to_bits(value), ref.bits.whole()) and \
                     len(sync(history.dependencies(ref.step, key))) == len(deps[key]):
                 ref = None  # a delta would read one layer more than the step did
             found = sync(history.holder(step, key))

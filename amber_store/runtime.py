@@ -171,3 +171,23 @@ def writer_pool() -> ThreadPoolExecutor:
     executor too, as many concurrent saves as its threads (6 on 2 cores) would wait forever
     for writes that have no thread left to run on. Past this pool's size, saves queue."""
     return shared_pool("amber-writer", WRITER_THREADS)
+
+
+def return_free_memory() -> None:
+    """Hand the C heap's free memory back to the kernel (glibc's ``malloc_trim``): buffers
+    freed in pieces of a few MiB (snapshots, decoded tensors) are otherwise kept by glibc for
+    reuse, and the process's RSS would not fall when they go. A no-op elsewhere."""
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None

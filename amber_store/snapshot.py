@@ -125,6 +125,11 @@ class Snapshots:
         with self._lock:
             self._free.append(self._lent.pop(id(snapshot)))
 
+    def clear(self) -> None:
+        """Let the buffers not lent go (their memory returns once nothing else holds them)."""
+        with self._lock:
+            self._free.clear()
+
     def _buffers(self, keys: list[str], values: list[torch.Tensor], layout: tuple[list, list, list],
                  old: dict[str, torch.Tensor]) -> _Buffers:
         """Buffers for a new layout, reusing those of ``old`` whose tensor kept its shape, dtype

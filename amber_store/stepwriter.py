@@ -31,6 +31,7 @@ import torch
 from . import format as fmt
 from .codecs import DELTA_ENCODINGS, Compression, Delta, DeltaCodec, LosslessDeltaCodec, codec_named, scratch, to_host
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, itemsize, to_bits
+from .bases import Bits, Keeper, Resident, Spilled
 from .options import Options
 from .runtime import CODEC_THREADS, codec_pool, event_loop
 
@@ -39,7 +40,8 @@ T = TypeVar("T")
 
 @dataclass
 class Base:
-    """The materialized value of one tensor, as host bits, and the entry that stores it.
+    """The materialized value of one tensor, as host bits wherever they are kept
+    (:mod:`~amber_store.bases`), and the entry that stores it.
 
     ``entry`` is never ``same`` and belongs to ``step``: a delta against this base names the
     step whose data actually holds it, so chains skip steps that changed nothing.
@@ -47,7 +49,7 @@ class Base:
 
     step: int
     entry: TensorEntry
-    bits: torch.Tensor
+    bits: Bits
 
 
 @dataclass
@@ -56,7 +58,7 @@ class Written:
     bits (the next base), the consolidated array metadata and every object key written."""
 
     entries: dict[str, TensorEntry] = field(default_factory=dict)
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    values: dict[str, Bits] = field(default_factory=dict)
     packs: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, dict[str, Any]] = field(default_factory=dict)
     keys: list[str] = field(default_factory=list)
@@ -81,14 +83,12 @@ _Chunk = tuple[Union[list[bytes], None], int]
 
 
 def _lossless_chunk(codec: LosslessDeltaCodec, value: np.ndarray, base: np.ndarray | None, base_crc: int | None,
-                    new_base: np.ndarray | None, padded: int, compression: Compression, typesize: int) -> _Chunk:
+                    padded: int, compression: Compression, typesize: int) -> _Chunk:
     """One chunk of a full step (no ``base``) or of a lossless delta (``codec``): (stored
-    parts, or ``None`` when all zero; crc32c of the materialized bits). ``new_base``, if
-    given, receives the value. A chunk whose crc32c differs from its base's (or, in a full
-    step, from zeros') has changed: only an equal crc32c costs a comparison pass."""
+    parts, or ``None`` when all zero; crc32c of the materialized bits). A chunk whose crc32c
+    differs from its base's (or, in a full step, from zeros') has changed: only an equal crc32c
+    costs a comparison pass."""
     crc = crc32c.crc32c(value)
-    if new_base is not None:
-        np.copyto(new_base, value)
     if _unchanged(value, base, crc, base_crc):
         return None, crc
     if base is None:
@@ -153,13 +153,19 @@ def submit_delta(pool: ThreadPoolExecutor, codec: DeltaCodec, delta: Delta, reco
             for k in range(0, len(runs), size)]
 
 
-def _lossless_chunks(codec: LosslessDeltaCodec, src: np.ndarray, ref: np.ndarray | None, crcs: list[int | None],
-                     new: np.ndarray | None, runs: list[tuple[int, int]], padded: int, compression: Compression,
-                     typesize: int) -> list[_Chunk]:
-    """:func:`_lossless_chunk` of the chunks ``runs`` of flat ``src`` (``ref``: the base, ``new``:
-    the new base, ``crcs``: the base's crc32c per chunk)."""
-    return [_lossless_chunk(codec, src[a:b], None if ref is None else ref[a:b], crc, None if new is None else new[a:b],
-                            padded, compression, typesize) for (a, b), crc in zip(runs, crcs)]
+def _lossless_chunks(codec: LosslessDeltaCodec, src: np.ndarray, ref: Bits | None, crcs: list[int | None],
+                     new: Resident | Spilled | None, runs: list[tuple[int, int]], padded: int,
+                     compression: Compression, typesize: int) -> list[_Chunk]:
+    """:func:`_lossless_chunk` of the chunks ``runs`` of flat ``src`` (``ref``: the base, read by
+    chunk; ``new``: where the new base is kept, written by chunk; ``crcs``: the base's crc32c
+    per chunk)."""
+    out = []
+    for (a, b), crc in zip(runs, crcs):
+        if new is not None:
+            new.fill(a, src[a:b])
+        out.append(_lossless_chunk(codec, src[a:b], None if ref is None else ref.chunk(a, b), crc, padded,
+                                   compression, typesize))
+    return out
 
 
 def _shard(blobs: list[list[bytes] | None]) -> tuple[list[list[int] | None], list[bytes], int]:
@@ -340,16 +346,16 @@ class StepWriter:
     always (it lets writes in flight settle). ``options`` give the chunk size (``None`` picks by
     codec: :data:`~amber_store.format.DEFAULT_CHUNK_BYTES`, lossy: ``LOSSY_CHUNK_BYTES``; a
     pack's parts: ``PACK_CHUNK_BYTES``), the pack threshold, the compression and the bound on
-    bytes in flight. ``recycle(key, like)`` may hand back a free host buffer for a tensor's new
-    base bits. Past ``deadline`` (``time.monotonic()``), waiting for
+    bytes in flight. ``keeper`` keeps each tensor's new bits as a later save's base (``None``:
+    none are kept). Past ``deadline`` (``time.monotonic()``), waiting for
     writes raises :class:`TimeoutError` and ``close`` cancels the writes still in flight. Once
     ``stop`` is set (the save was interrupted), adding a tensor raises :class:`SaveStopped`.
     """
 
     def __init__(self, put: Callable[[str, list[bytes]], Awaitable[None]], group: str, options: Options, *,
                  pack_name: str = fmt.PACK_PREFIX,
-                 recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
-                 deadline: float | None = None, stop: threading.Event | None = None) -> None:
+                 keeper: Keeper | None = None, deadline: float | None = None,
+                 stop: threading.Event | None = None) -> None:
         self._put_object = put
         self._deadline = deadline
         self._stop = stop
@@ -359,7 +365,7 @@ class StepWriter:
         self._compression = options.compression
         self._pack_name = pack_name
         self._max_inflight = options.max_inflight_bytes
-        self._recycle = recycle or (lambda key, like: None)
+        self._keeper = keeper
         self._loop = event_loop()
         self._pool = codec_pool()
         self._out = Written()
@@ -383,6 +389,7 @@ class StepWriter:
         on the host is not copied at all."""
         if self._stop is not None and self._stop.is_set():
             raise SaveStopped(f"{self._group}: the save was given up before {key!r} was written")
+        keep = keep and self._keeper is not None
         tensor = tensor.detach()
         name = dtype_name(tensor.dtype)
         shape = tuple(tensor.shape)
@@ -414,10 +421,10 @@ class StepWriter:
             return
         delta = None
         if base is not None and (tensor.device.type != "cpu" or not codec.lossless):
-            out = self._recycle(key, to_bits(tensor)) if keep and tensor.device.type == "cpu" else None
+            out = self._keeper.buffer(key, to_bits(tensor)) if keep and tensor.device.type == "cpu" else None
             finish = None if packed else functools.partial(piece_chunks, codec, math.prod(chunks), self._compression,
                                                            tensor.element_size())
-            delta = codec.diff(tensor, base.bits, chunks, out=out, finish=finish)
+            delta = codec.diff(tensor, base.bits.whole(), chunks, out=out, finish=finish)
             if delta is None:
                 self._same(key, name, shape, chunks, base, nbytes)
                 return
@@ -436,7 +443,7 @@ class StepWriter:
         bases = torch.zeros(starts[-1], dtype=batch[0].base.bits.dtype)
         for item, at in zip(batch, starts):
             values[at: at + item.tensor.numel()] = item.tensor.reshape(-1)
-            bases[at: at + item.tensor.numel()] = item.base.bits.reshape(-1)
+            bases[at: at + item.tensor.numel()] = item.base.bits.whole().reshape(-1)
         delta = codec.diff(values, bases, (starts[-1],))
         for item, at, span in zip(batch, starts, spans):
             shape, n = tuple(item.tensor.shape), item.tensor.numel()
@@ -460,44 +467,44 @@ class StepWriter:
         array = None if packed else f"{self._group}/{fmt.array_name(key)}"
         entry = TensorEntry(name, list(shape), list(chunks), encoding, None if base is None else base.step,  # type: ignore[arg-type]
                             array, [], nbytes, params=None if delta is None else delta.params)
-        host = copied = None
+        host = sink = None
         if delta is not None:
-            value = delta.recon
+            if keep:
+                assert self._keeper is not None
+                self._out.values[key] = self._keeper.hold(key, delta.recon)
         else:  # the raw bits on the host (a view for CPU tensors): diffed there, chunk by chunk
             bits = to_bits(tensor)
             copied = to_host(bits)
             host = bits_to_numpy(copied).reshape(-1)
-            value = None
             if keep:
-                value = self._recycle(key, bits) if tensor.is_cpu else copied
-                if value is None:
-                    value = torch.empty(shape, dtype=bits.dtype)
-        if keep:
-            self._out.values[key] = value
-        if value is copied:  # (an accelerator's raw bits: a private copy already, kept as it is)
-            value = None
+                assert self._keeper is not None
+                # (an accelerator's raw bits: a private host copy already, kept as it is)
+                kept = self._keeper.new(key, bits) if tensor.is_cpu else self._keeper.hold(key, copied)
+                sink = kept if tensor.is_cpu else None
+                self._out.values[key] = kept
         if packed:
-            self._add_packed(key, entry, host, value, delta, base, codec)
+            self._add_packed(key, entry, host, sink, delta, base, codec)
         else:
-            self._add_sharded(key, entry, host, value, delta, base, codec)
+            self._add_sharded(key, entry, host, sink, delta, base, codec)
 
     def _same(self, key: str, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], base: Base,
               nbytes: int) -> None:
         self._out.entries[key] = TensorEntry(name, list(shape), list(chunks), "same", base.step, None,
                                              base.entry.crc32c, nbytes)
-        self._out.values[key] = base.bits
+        if self._keeper is not None:
+            self._out.values[key] = self._keeper.again(key, base.bits)
 
-    def _add_packed(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor | None,
+    def _add_packed(self, key: str, entry: TensorEntry, host: np.ndarray | None, sink: Resident | Spilled | None,
                     delta: Delta | None, base: Base | None, codec: DeltaCodec) -> None:
         """A small tensor: its whole serialized delta (or value) joins the step's pack stream.
-        Either ``host`` (its raw bits, to diff here; ``value``, if given, receives them) or
-        ``delta`` (precomputed, ``value`` its reconstruction) is given."""
+        Either ``host`` (its raw bits, to diff here; ``sink``, if given, keeps them) or
+        ``delta`` (precomputed, with its reconstruction) is given."""
         if host is not None:  # lossless on the host: the delta is taken here
-            if value is not None:
-                np.copyto(bits_to_numpy(value).reshape(-1), host)
+            if sink is not None:
+                sink.fill(0, host)
             crc = crc32c.crc32c(host)
             entry.crc32c = [crc]
-            old = None if base is None else bits_to_numpy(base.bits).reshape(-1)
+            old = None if base is None else bits_to_numpy(base.bits.whole()).reshape(-1)
             base_crc = base.entry.crc32c[0] if base is not None and len(base.entry.crc32c) == 1 else None
             if _unchanged(host, old, crc, base_crc):
                 payload = None
@@ -508,8 +515,8 @@ class StepWriter:
                 cast(LosslessDeltaCodec, codec).encode_into(stored, host, old)  # host diffs are lossless
                 payload = stored.view(np.uint8)
         else:
-            assert delta is not None and value is not None
-            recon = bits_to_numpy(value).reshape(-1)
+            assert delta is not None
+            recon = bits_to_numpy(delta.recon).reshape(-1)
             entry.crc32c = [crc32c.crc32c(recon)]
             payload = codec.serialize_run(delta, 0, [(0, recon.size)], recon.size, [recon])[0]
         if payload is None and base is not None:
@@ -522,23 +529,24 @@ class StepWriter:
             entry.pack = [self._pack_name, self._pack.append(entry, data, itemsize(entry.dtype)), data.size]
         self._out.entries[key] = entry
 
-    def _add_sharded(self, key: str, entry: TensorEntry, host: np.ndarray | None, value: torch.Tensor | None,
+    def _add_sharded(self, key: str, entry: TensorEntry, host: np.ndarray | None, sink: Resident | Spilled | None,
                      delta: Delta | None, base: Base | None, codec: DeltaCodec) -> None:
         shape, chunks = tuple(entry.shape), tuple(entry.chunks)
         runs = fmt.chunk_runs(shape, chunks)
         padded = int(np.prod(chunks))
         width = itemsize(entry.dtype)
-        new = None if value is None else bits_to_numpy(value).reshape(-1)
         if host is not None:
             src = host
-            ref = None if base is None else bits_to_numpy(base.bits).reshape(-1)
+            ref = None if base is None else base.bits if isinstance(base.bits, (Resident, Spilled)) \
+                else Resident(base.bits.whole())  # (one read back from the store: whole)
             crcs = base.entry.crc32c if base is not None and len(base.entry.crc32c) == len(runs) else [None] * len(runs)
             # one job a chunk: the work is in calls that release the GIL, spread over the threads
-            jobs = [self._pool.submit(_lossless_chunks, codec, src, ref, [crc], new, [run], padded, self._compression,
+            jobs = [self._pool.submit(_lossless_chunks, codec, src, ref, [crc], sink, [run], padded, self._compression,
                                       width) for run, crc in zip(runs, crcs)]
         else:
-            assert delta is not None and new is not None
-            jobs = submit_delta(self._pool, codec, delta, new, runs, padded, self._compression, width)
+            assert delta is not None
+            jobs = submit_delta(self._pool, codec, delta, bits_to_numpy(delta.recon).reshape(-1), runs, padded,
+                                self._compression, width)
         inner = self._compression.inner_codecs(entry.dtype, None if base is None else codec)
         data_type = (bits_numpy_dtype(entry.dtype) if base is None else codec.storage_dtype(entry.dtype)).name
         attrs = {"dtype": entry.dtype, "encoding": entry.encoding, "base_step": entry.base}
@@ -653,45 +661,3 @@ class StepWriter:
 
 class SaveStopped(Exception):
     """A step writer was told to stop: its save was interrupted or ran out of time."""
-
-
-class BaseCache:
-    """Materialized host bits of the steps later saves may diff against, so a delta needs no
-    read; buffers of steps that can no longer be a base are recycled for the next save."""
-
-    def __init__(self) -> None:
-        self._steps: dict[int, dict[str, torch.Tensor]] = {}
-        self._free: dict[str, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, step: int, key: str) -> torch.Tensor | None:
-        with self._lock:
-            return self._steps.get(step, {}).get(key)
-
-    def put(self, step: int, values: dict[str, torch.Tensor]) -> None:
-        with self._lock:
-            self._steps[step] = values
-
-    def keep(self, steps: set[int]) -> None:
-        """Forget every other step; recycle the buffers no kept step shares."""
-        with self._lock:
-            live = {id(t) for s in steps for t in self._steps.get(s, {}).values()}
-            for step in [s for s in self._steps if s not in steps]:
-                for key, t in self._steps.pop(step).items():
-                    if id(t) not in live:
-                        live.add(id(t))
-                        self._free.setdefault(key, []).append(t)
-
-    def recycle(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
-        """A free host buffer of ``like``'s shape and dtype for ``key``'s new bits, if any."""
-        with self._lock:
-            free = self._free.get(key, [])
-            for i, t in enumerate(free):
-                if t.shape == like.shape and t.dtype == like.dtype:
-                    return free.pop(i)
-        return None
-
-    def clear(self) -> None:
-        with self._lock:
-            self._steps.clear()
-            self._free.clear()

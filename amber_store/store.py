@@ -38,7 +38,7 @@ from .background import Background
 from .lazy import LazyStateDict, LazyTensor, destinations, materialize
 from .reader import Reader, ReadSession
 from .retention import GCReport
-from .runtime import gather, interruptible
+from .runtime import gather, interruptible, return_free_memory
 from .snapshot import Snapshots
 from .storage import Backend, connect, is_storage_error, storage_errors
 from .storage.zarrstore import ZarrStoreBackend
@@ -139,7 +139,9 @@ class Store:
 
     def _release(self) -> None:
         self.writer.bases.clear()
+        self._snapshots.clear()
         self.history.close()
+        return_free_memory()
 
     def __enter__(self) -> "Store":
         return self
@@ -198,7 +200,9 @@ class Store:
         writes and the commit run on a background thread, one save after the other. At most
         ``max_pending`` saves are unfinished: beyond that this call waits (back-pressure), so
         host memory stays bounded at ``max_pending`` snapshots plus ``max_inflight_bytes`` of
-        encoded data. A failure is set on the returned future and raised (as
+        encoded data, plus the bases of the next delta when ``base_cache="memory"`` (the
+        default, ``"spill"``, keeps them in a local file). :meth:`close` gives the snapshot
+        buffers back. A failure is set on the returned future and raised (as
         :class:`AsyncSaveError`) by the next call of ``save``, ``save_async`` or :meth:`wait`.
         ``after(info)``, if given, runs on the save thread once the step is committed and before
         the future completes (retention, notifications).

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from zarr.core.sync import sync
 
 from . import format as fmt
+from .bases import BaseCache, Keeper, Stored
 from .codecs import DeltaCodec
 from .errors import ConcurrentWriterError, StepOrderError, StorageAccessError
 from .format import Manifest, TensorEntry
@@ -42,12 +43,14 @@ from .history import PARENTS, History, json_bytes, next_segment, parent_policies
 from .options import Options
 from .reader import Reader, ReadSession
 from .runtime import finish, gather, writer_pool
-from .stepwriter import Base, BaseCache, StepWriter, Written
+from .stepwriter import Base, StepWriter, Written
 from .storage import is_storage_error
 
 #: save_timeout="auto": this many seconds, plus one per AUTO_TIMEOUT_RATE bytes of state.
 AUTO_TIMEOUT_SECONDS = 300.0
 AUTO_TIMEOUT_RATE = 20e6
+#: bases read back from the store at once when each is spilled as it arrives (the rest wait)
+BASES_READ_AT_ONCE = 4
 #: how long a failed save may spend deleting its own attempt's data
 DISCARD_TIMEOUT = 10.0
 #: how long a save out of time waits for that delete before it reports (the storage is likely
@@ -88,7 +91,7 @@ class Writer:
         self.history = history
         self.reader = reader
         self.options = options
-        self.bases = BaseCache()
+        self.bases = BaseCache(options.base_cache, options.spill_dir)
         #: the format version the store's root names (a commit of this version updates it;
         #: ``None``: no store yet, the first save creates it)
         self.root_version: int | None = None
@@ -139,16 +142,17 @@ class Writer:
         return plan
 
     def write(self, plan: StepPlan, fill: Callable[[StepWriter], None], *, pack_name: str = fmt.PACK_PREFIX,
-              recycle: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
-              deadline: float | None = None, stop: threading.Event | None = None) -> Written:
+              keeper: Keeper | None = None, deadline: float | None = None,
+              stop: threading.Event | None = None) -> Written:
         """Encode and write tensors into the plan's group: ``fill(out)`` adds them to a step
         writer (:meth:`add_tensors`, or a fold's own), which writes them as they are encoded
         and gives up at ``deadline`` (``time.monotonic()``) or once ``stop`` is set. Runs on the calling thread (a
         writer thread: the event loop must stay free for the writes). An attempt that fails
         here is never committed: the objects this call wrote are deleted (those of a DCP save's
-        other ranks are not), but after a storage failure (see :meth:`abandon`)."""
+        other ranks are not), but after a storage failure (see :meth:`abandon`). ``keeper``
+        keeps the tensors' values as later saves' bases (``None``: none are kept)."""
         out = StepWriter(functools.partial(self.backend.put_object, durable=self.options.durable), plan.group,
-                         self.options, pack_name=pack_name, recycle=recycle, deadline=deadline, stop=stop)
+                         self.options, pack_name=pack_name, keeper=keeper, deadline=deadline, stop=stop)
         try:
             fill(out)
             written = out.finish()
@@ -311,7 +315,7 @@ class Writer:
 
         stop = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(
-            writer_pool(), functools.partial(self.write, plan, fill, recycle=self.bases.recycle, deadline=deadline,
+            writer_pool(), functools.partial(self.write, plan, fill, keeper=self.bases.keeper(), deadline=deadline,
                                              stop=stop))
         try:
             written = await asyncio.shield(job)
@@ -421,11 +425,25 @@ class Writer:
                 refs[key] = None if found is None else Base(*found, bits)
         session = ReadSession()
 
-        async def read(key: str, holder: int, entry: TensorEntry) -> Base:
-            raw = await self.reader.read(holder, key, session=session)
-            return Base(holder, entry, fmt.to_bits(fmt.numpy_to_tensor(raw, entry.dtype)))
+        async def read(holder: int, key: str, entry: TensorEntry) -> torch.Tensor:
+            return fmt.to_bits(fmt.numpy_to_tensor(await self.reader.read(holder, key, session=session), entry.dtype))
 
-        refs.update(zip([key for key, _, _ in missing], await gather(read(*m) for m in missing)))
+        keeper = cache.keeper()
+        if keeper is None:  # nothing kept: each base is read as the save reaches its tensor
+            for key, holder, entry in missing:
+                like = fmt.to_bits(torch.empty(0, dtype=fmt.DTYPES[entry.dtype]))
+                refs[key] = Base(holder, entry, Stored(entry, tuple(entry.shape), like.dtype,
+                                                       lambda h=holder, k=key, e=entry: sync(read(h, k, e))))
+            return refs
+        # read all at once, each kept as the cache keeps values; spilled ones a few at a time,
+        # so that they never are all in memory
+        limit = asyncio.Semaphore(len(missing) if not keeper.spills else BASES_READ_AT_ONCE)
+
+        async def kept(key: str, holder: int, entry: TensorEntry) -> Base:
+            async with limit:
+                return Base(holder, entry, keeper.hold(key, await read(holder, key, entry)))
+
+        refs.update(zip([key for key, _, _ in missing], await gather(kept(*m) for m in missing)))
         return refs
 
     def materialized(self, step: int, key: str) -> torch.Tensor:

@@ -273,6 +273,9 @@ def main() -> None:
     dcp_md, _ = run("dcp_bench", *(["--width", "128", "--layers", "2", "--warmup", "30"] if args.quick else []))
     scale_md, scale = run("dcp_scale", *(["--worlds", "2", "4", "--tensors", "300"] if args.quick else []))
     sim_md, _ = run("scale_sim", "--lowest", *(["--ranks", "64", "256", "--params", "1000"] if args.quick else []))
+    memory_md, _ = run("memory", "--params", "24" if args.quick else "96", "--rounds", "1" if args.quick else "3",
+                       "--plot", str(RESULTS / "memory.png"))
+    memory_sharded_md, _ = run("memory-sharded", "--ranks", "4", "--params", "24" if args.quick else "96")
     codecs_md, codecs = run("codecs_bench", "--mb", "32" if args.quick else "64")
     lossy_md, lossy_data = run("lossy", *(["--quick"] if args.quick else []))
     seeds_md, seeds = run("resume_seeds", *(["--steps", "100", "--resume-steps", "60", "--width", "128", "--layers", "2",
@@ -423,6 +426,16 @@ Where amber-store loses:
 `python benchmarks/scale_sim.py --lowest` (docs/SCALE.md)
 
 {sim_md}
+
+## Host memory
+
+`python benchmarks/memory.py --rounds 3` and `--ranks 4` (docs/GUIDE.md#host-memory)
+
+![peak host memory beyond the state](results/memory.png)
+
+{memory_md}
+
+{memory_sharded_md}
 
 ## Lossy codecs: bytes against resumed loss (Pareto)
 

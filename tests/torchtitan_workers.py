@@ -131,6 +131,8 @@ def main() -> None:
         say(resume_step=checkpointer._find_load_step())
     checkpointer.close()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # (no interpreter teardown: once, in a full suite, a C++ thread's teardown aborted it)
 
 
 if __name__ == "__main__":
