@@ -102,6 +102,12 @@ class SpillFile:
             self._end += -(-nbytes // _ALIGN) * _ALIGN
             return at
 
+    def reuse(self) -> SpillFile:
+        """This file, to be filled from its start again: its pages are still the kernel's to
+        overwrite, where a new file's would be found anew (as slow as fresh memory on a VM)."""
+        self._end, self.failed = 0, None
+        return self
+
 
 @dataclass(frozen=True)
 class Spilled:
@@ -191,8 +197,8 @@ class Keeper:
         if not self.spills:
             free = self.buffer(key, like)
             return Resident(free if free is not None else torch.empty(like.shape, dtype=like.dtype))
-        return Spilled(self._spill(), self._spill().reserve(like.numel() * like.element_size()), tuple(like.shape),
-                       like.dtype)
+        file = self._spill()
+        return Spilled(file, file.reserve(like.numel() * like.element_size()), tuple(like.shape), like.dtype)
 
     def buffer(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
         """A free host buffer for ``like``'s bits to be computed into, when kept in memory."""
@@ -227,7 +233,7 @@ class Keeper:
 
     def _spill(self) -> SpillFile:
         if self._file is None:
-            self._file = SpillFile(self._cache.spill_dir)
+            self._file = self._cache.spill_file()
         return self._file
 
 
@@ -242,6 +248,7 @@ class BaseCache:
         self.spill_dir = spill_dir
         self._steps: dict[int, dict[str, Bits]] = {}
         self._free: dict[str, list[torch.Tensor]] = {}
+        self._free_files: list[SpillFile] = []
         self._lock = threading.Lock()
 
     def keeper(self) -> Keeper | None:
@@ -264,14 +271,28 @@ class BaseCache:
             self._steps[step] = values
 
     def keep(self, steps: set[int]) -> None:
-        """Forget every other step; reuse the host buffers no kept step shares."""
+        """Forget every other step; reuse the host buffers and spill files no kept step shares.
+        (Saves of one store run one at a time: a step dropped here is no base of a save still
+        running.)"""
         with self._lock:
-            live = {id(b.tensor) for s in steps for b in self._steps.get(s, {}).values() if isinstance(b, Resident)}
+            kept = [b for s in steps for b in self._steps.get(s, {}).values()]
+            live = {id(b.tensor) for b in kept if isinstance(b, Resident)}
+            live |= {id(b.file) for b in kept if isinstance(b, Spilled)}
             for step in [s for s in self._steps if s not in steps]:
                 for key, b in self._steps.pop(step).items():
                     if isinstance(b, Resident) and id(b.tensor) not in live and b.tensor.is_cpu:
                         live.add(id(b.tensor))
                         self._free.setdefault(key, []).append(b.tensor)
+                    elif isinstance(b, Spilled) and id(b.file) not in live:
+                        live.add(id(b.file))
+                        self._free_files.append(b.file)
+
+    def spill_file(self) -> SpillFile:
+        """A spill file for a save: one no kept step uses any more, else a new one."""
+        with self._lock:
+            if self._free_files:
+                return self._free_files.pop().reuse()
+        return SpillFile(self.spill_dir)
 
     def recycle(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
         """A free host buffer of ``like``'s shape and dtype for ``key``'s new bits, if any."""
@@ -287,3 +308,4 @@ class BaseCache:
         with self._lock:
             self._steps.clear()
             self._free.clear()
+            self._free_files.clear()

@@ -50,7 +50,7 @@ from .storage import is_storage_error
 AUTO_TIMEOUT_SECONDS = 300.0
 AUTO_TIMEOUT_RATE = 20e6
 #: bases read back from the store at once when each is spilled as it arrives (the rest wait)
-BASES_READ_AT_ONCE = 4
+BASES_READ_AT_ONCE = 2
 #: how long a failed save may spend deleting its own attempt's data
 DISCARD_TIMEOUT = 10.0
 #: how long a save out of time waits for that delete before it reports (the storage is likely
@@ -441,7 +441,8 @@ class Writer:
 
         async def kept(key: str, holder: int, entry: TensorEntry) -> Base:
             async with limit:
-                return Base(holder, entry, keeper.hold(key, await read(holder, key, entry)))
+                bits = await read(holder, key, entry)
+                return Base(holder, entry, await asyncio.to_thread(keeper.hold, key, bits))  # (a spill writes)
 
         refs.update(zip([key for key, _, _ in missing], await gather(kept(*m) for m in missing)))
         return refs

@@ -13,8 +13,9 @@ The library a training process has loaded before its first checkpoint (imports; 
 kernels, compiled by a first tiny save) is loaded before the baseline and reported apart
 ("library"), and the training step between the two saves is left out of the peak.
 
-    python benchmarks/memory.py --params 96 --rounds 3 --plot benchmarks/results/memory.png
+    python benchmarks/memory.py --params 96 --rounds 3 --s3 --times 12 --plot benchmarks/results/memory.png
     python benchmarks/memory.py --ranks 4 --params 96   # the sharded CheckpointManager per rank
+    python benchmarks/memory.py --s3 --only "S3: torch.save + PUT" "S3: save (spill)"   # on SeaweedFS
 
 With ``--ranks N`` the model is FSDP2-sharded over N gloo ranks on this machine and each rank
 measures its own peak (beyond its shard of the state, S/N) across two saves: amber-store's
@@ -25,6 +26,7 @@ sharded CheckpointManager (``dcp.async_save`` through AmberStorageWriter) agains
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -43,6 +45,8 @@ SAVES = ["torch.save", "safetensors", "dcp.save", "dcp.async_save",
          "save (spill)", "save (memory)", "save (none)", "delta save, fresh process (spill)",
          "delta save, fresh process (memory)", "save_async (spill)", "save_async (memory)", "CheckpointManager"]
 LOADS = ["torch.load", "dcp.load into", "load(lazy=False)", "load(into=)"]
+#: against a SeaweedFS server the benchmark starts (``--s3``): torch.save into memory and one PUT
+S3 = ["S3: torch.save + PUT", "S3: save (spill)"]
 SHARDED = ["dcp.async_save (per rank)", "CheckpointManager (per rank)"]
 
 
@@ -147,6 +151,7 @@ def child(op: str, root: str) -> dict:
     meter = Peak()
     seconds: list[float] = []
     closer = None
+    cleanup = None
 
     def advance_between(seed: int) -> None:  # a training step between two saves
         meter.pause()
@@ -158,7 +163,35 @@ def child(op: str, root: str) -> dict:
         fn()
         seconds.append(time.perf_counter() - t0)
 
-    if op in LOADS:
+    if op.startswith("S3: "):
+        import io
+        import uuid
+
+        from backends.s3servers import S3Endpoint
+
+        s3 = json.loads(os.environ["MEMORY_S3"])
+        prefix = uuid.uuid4().hex
+        client = S3Endpoint(s3["endpoint_url"], s3["key"], s3["secret"]).client()
+        cleanup = lambda: empty_prefix(client, prefix)  # noqa: E731  # rounds must not fill the server
+        if op == "S3: torch.save + PUT":
+            def put(step: int) -> None:
+                buf = io.BytesIO()
+                torch.save(state(), buf)
+                buf.seek(0)
+                client.put_object(Bucket="amber", Key=f"{prefix}/{step}.pt", Body=buf)
+        else:
+            import amber_store as amber
+
+            store = amber.open(f"s3://amber/{prefix}", s3["options"], mode="w")
+            closer = store.close
+
+            def put(step: int) -> None:
+                store.save(step, state())
+        for step in (1, 2):
+            if step == 2:
+                advance_between(2)
+            timed(lambda: put(step))
+    elif op in LOADS:
         advance(2)  # the state saved by the prepare step
         target = state()
         meter = Peak()
@@ -236,8 +269,18 @@ def child(op: str, root: str) -> dict:
 
         gc.collect()
         closed = status("VmRSS") - meter.base
+    if cleanup is not None:
+        cleanup()
     return {"op": op, "state": size, "peak": peak, "left": left, "closed": closed, "seconds": seconds,
             "library": library}
+
+
+def empty_prefix(client, prefix: str) -> None:
+    """Delete every object under ``prefix`` in the benchmark's bucket."""
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket="amber", Prefix=f"{prefix}/"):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket="amber", Delete={"Objects": keys})
 
 
 def load_library(op: str, root: str) -> int:
@@ -270,9 +313,8 @@ def prepare(root: Path) -> None:
     import amber_store as amber
 
     model, optimizer, advance = build(float(os.environ["MEMORY_PARAMS"]))
-    for mode in ("spill", "memory"):
-        with amber.open(root / f"fresh-{mode}", mode="w") as store:
-            store.save(1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+    with amber.open(root / "fresh-pristine", mode="w") as store:
+        store.save(1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
     with amber.open(root / "store", mode="w") as store:
         store.save(1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
         advance(2)
@@ -340,6 +382,40 @@ def sharded_child(op: str, root: str) -> dict:
             "library": library}
 
 
+def save_times(params: float, saves: int, root: Path) -> str:
+    """What each ``base_cache`` costs a save: one process saving the same states into a store of
+    each kind in turn (every 4th save full), beside torch.save of them, the order rotated from
+    save to save; medians of the full and of the delta saves."""
+    import torch
+
+    import amber_store as amber
+
+    model, optimizer, advance = build(params)
+    modes = ["spill", "memory", "none"]
+    stores = {m: amber.open(root / f"times-{m}", mode="w", base_cache=m, full_every=4) for m in modes}
+    times: dict[str, dict[str, list[float]]] = {m: {"full": [], "delta": []} for m in [*modes, "torch.save"]}
+    for step in range(saves):
+        if step:
+            advance(step + 10)
+        kind = "full" if step % 4 == 0 else "delta"
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        order = [*modes, "torch.save"]
+        for who in order[step % len(order):] + order[:step % len(order)]:
+            t0 = time.perf_counter()
+            if who == "torch.save":
+                torch.save(state, root / "times.pt")
+            else:
+                stores[who].save(step, state)
+            times[who][kind].append(time.perf_counter() - t0)
+    for store in stores.values():
+        store.close()
+    base = {k: statistics.median(times["torch.save"][k]) for k in ("full", "delta")}
+    rows = [[who, *(f"{statistics.median(t[k]):.2f} s ({statistics.median(t[k]) / base[k]:.2f}x)"
+                    for k in ("full", "delta"))] for who, t in times.items()]
+    return (f"Save time by `base_cache` ({saves} saves in one process, every 4th full; x: against torch.save of the "
+            "same state in the same rounds):\n\n" + table(["base_cache", "full save", "delta save"], rows))
+
+
 def run(op: str, root: Path, params: float, ranks: int = 0) -> list[dict]:
     env = {**os.environ, "MEMORY_PARAMS": str(params)}
     if not ranks:
@@ -368,7 +444,9 @@ def main() -> None:
     p.add_argument("--params", type=float, default=96, help="millions of model parameters")
     p.add_argument("--rounds", type=int, default=1, help="each operation this many times (medians)")
     p.add_argument("--ranks", type=int, default=0, help="the sharded CheckpointManager on this many gloo ranks")
-    p.add_argument("--only", nargs="*", help="these operations only")
+    p.add_argument("--only", nargs="*", help="these operations only (none: with --times, the save times alone)")
+    p.add_argument("--s3", action="store_true", help="also save to a SeaweedFS server started here")
+    p.add_argument("--times", type=int, metavar="SAVES", help="also time SAVES saves by each base_cache, warm")
     p.add_argument("--json", type=Path, help="write the raw figures here")
     p.add_argument("--plot", type=Path, help="draw the peaks here (png)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -384,27 +462,37 @@ def main() -> None:
     if args.sharded_child:
         print(json.dumps(sharded_child(*args.sharded_child)))
         return
-    ops = SHARDED if args.ranks else SAVES + LOADS
-    ops = [op for op in ops if not args.only or op in args.only]
+    ops = SHARDED if args.ranks else SAVES + LOADS + (S3 if args.s3 else [])
+    ops = [op for op in ops if args.only is None or op in args.only]
     results: dict[str, list[dict]] = {op: [] for op in ops}
-    with tempfile.TemporaryDirectory(dir=os.environ.get("MEMORY_DIR")) as tmp:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("MEMORY_DIR")) as tmp, contextlib.ExitStack() as stack:
+        if args.s3:
+            from backends.s3servers import SeaweedFS
+
+            server = stack.enter_context(SeaweedFS())
+            server.create_bucket("amber")
+            os.environ["MEMORY_S3"] = json.dumps({"endpoint_url": server.endpoint, "key": server.key,
+                                                  "secret": server.secret, "options": server.storage_options()})
         root = Path(tmp)
-        if not args.ranks:
+        if not args.ranks and ops:
             subprocess.run([sys.executable, __file__, "--prepare", str(root)],
                            env={**os.environ, "MEMORY_PARAMS": str(args.params)}, check=True)
         for r in range(args.rounds):
             for op in (ops if r % 2 == 0 else ops[::-1]):
                 for d in root.glob("store-*"):  # each round saves into new stores
                     shutil.rmtree(d)
-                if op.startswith("delta save, fresh process"):
+                if op.startswith("delta save, fresh process"):  # a store holding step 1 alone
                     mode = op[op.index("(") + 1: op.index(")")]
-                    shutil.copytree(root / f"fresh-{mode}", root / f"fresh-{mode}-copy")
-                    shutil.rmtree(root / f"fresh-{mode}")
-                    shutil.move(root / f"fresh-{mode}-copy", root / f"fresh-{mode}")
+                    shutil.rmtree(root / f"fresh-{mode}", ignore_errors=True)
+                    shutil.copytree(root / "fresh-pristine", root / f"fresh-{mode}")
                 rows = run(op, root, args.params, args.ranks)
                 results[op].extend(rows)
                 print(op, [f"{row['peak'] / row['state']:.2f} S" for row in rows], file=sys.stderr, flush=True)
-    report(results, args)
+        times = save_times(args.params, args.times, root) if args.times else None
+    if ops:
+        report(results, args)
+    if times:
+        print(f"\n{times}")
 
 
 def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
@@ -445,11 +533,10 @@ def plot(results: dict[str, list[dict]], path: Path, who: str) -> None:
     ops = list(results)
     peaks = [statistics.median(r["peak"] / r["state"] for r in results[op]) for op in ops]
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(ops) + 1.2))
-    colors = ["#888" if not ("save" in op and ("(" in op or "Manager" in op)) and not op.startswith("load")
-              else "#c60" for op in ops]
+    colors = ["#888" if op.startswith(("torch.", "safetensors", "dcp.", "S3: torch.")) else "#c60" for op in ops]
     ax.barh(ops[::-1], peaks[::-1], color=colors[::-1])
     ax.set_xlabel("peak RSS beyond the state (x S)")
-    ax.set_title(f"Host memory, {who}")
+    ax.set_title(f"Host memory, {who} (grey: the peers)")
     for x in (0.35, 1.2):
         ax.axvline(x, color="k", lw=0.5, ls=":")
     fig.tight_layout()

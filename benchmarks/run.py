@@ -274,6 +274,7 @@ def main() -> None:
     scale_md, scale = run("dcp_scale", *(["--worlds", "2", "4", "--tensors", "300"] if args.quick else []))
     sim_md, _ = run("scale_sim", "--lowest", *(["--ranks", "64", "256", "--params", "1000"] if args.quick else []))
     memory_md, _ = run("memory", "--params", "24" if args.quick else "96", "--rounds", "1" if args.quick else "3",
+                       "--s3", "--times", "4" if args.quick else "12",
                        "--plot", str(RESULTS / "memory.png"))
     memory_sharded_md, _ = run("memory-sharded", "--ranks", "4", "--params", "24" if args.quick else "96")
     codecs_md, codecs = run("codecs_bench", "--mb", "32" if args.quick else "64")
