@@ -11,8 +11,12 @@ touched) before the clock, as a resume does: torch.load, then a copy into them a
 ``load_state_dict`` makes, against ``load(into=...)``, which decodes straight into them; their
 ratios are against the first. ``--before DIR`` adds the same loads by the amber_store of
 another checkout (``git worktree add DIR REV``), interleaved: a change's effect, same minutes.
+``--paths avx2 portable c-blosc`` adds the amber-store loads decoded by those paths
+(``AMBER_DECODE_PATH``), so that one machine also times the paths of CPUs it is faster than;
+``--dtype bfloat16`` stores a bf16 state. A fresh process also imports what the load needs beyond
+torch (timed apart: "imports s"; "with imports" adds them to the load's time).
 
-    python benchmarks/cold_load.py --mb 1024 --rounds 5
+    python benchmarks/cold_load.py --mb 1024 --rounds 5 --paths avx2 portable c-blosc
 """
 
 from __future__ import annotations
@@ -33,15 +37,18 @@ from benchmarks.common import machine, rotated, table  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
-t0 = time.perf_counter()
-import torch, amber_store as amber
-from amber_store import store  # (amber_store imports its modules lazily)
-imports = time.perf_counter() - t0
+import torch
 kind, root, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+t0 = time.perf_counter()  # what a load needs beyond torch: amber-store and what it imports
+if not kind.startswith("torch.load"):
+    import amber_store as amber
+    from amber_store import store  # (amber_store imports its modules lazily)
+imports = time.perf_counter() - t0
 into = {}
 if kind.endswith(" into a model"):  # the model a resume builds first: its tensors made and touched
-    lazy = amber.open(f"{root}/store", mode="r").load(2)
-    into = {"into": {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in lazy.items()}}
+    shapes = torch.load(f"{root}/state.pt", weights_only=True, mmap=True)
+    into = {"into": {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in shapes.items()}}
+    del shapes
 out = []
 for _ in range(repeats):
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -62,26 +69,31 @@ INTO = ["torch.load into a model", "delta step into a model"]
 BEFORE = " (before)"
 
 
-def prepare(root: Path, mb: int) -> None:
+def prepare(root: Path, mb: int, dtype) -> None:
     import torch
 
     import amber_store as amber
 
     g = torch.Generator().manual_seed(0)
     width = 2048
-    state = {f"layer{i}": torch.randn(width, width, generator=g) * 0.02 for i in range(max(1, (mb << 20) // (4 * width * width)))}
+    n = max(1, (mb << 20) // (dtype.itemsize * width * width))
+    state = {f"layer{i}": (torch.randn(width, width, generator=g) * 0.02).to(dtype) for i in range(n)}
     with amber.open(root / "store", mode="w") as store:
         store.save(1, state)
-        for t in state.values():
-            t.add_(torch.randn(t.shape, generator=g) * 1e-4)
+        for t in state.values():  # (bf16: a step of the learning rate's scale moves some of them)
+            t.add_((torch.randn(t.shape, generator=g) * (1e-4 if dtype == torch.float32 else 1e-3)).to(dtype))
         store.save(2, state)
     torch.save(state, root / "state.pt")
 
 
 def child(kind: str, root: Path, repeats: int, before: Path | None = None) -> dict:
     """``kind``'s loads in a fresh process; a kind ending in " (before)" by ``before``'s amber_store
-    (found first on the path: the child runs from the store's directory, not from a checkout)."""
+    (found first on the path: the child runs from the store's directory, not from a checkout); one
+    ending in " [PATH]" decoding by that path (``AMBER_DECODE_PATH``)."""
     env = dict(os.environ)
+    if kind.endswith("]"):
+        kind, path = kind[:-1].split(" [")
+        env["AMBER_DECODE_PATH"] = path
     if kind.endswith(BEFORE):
         kind = kind.removesuffix(BEFORE)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
@@ -102,14 +114,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     p.add_argument("--before", type=Path, help="a checkout whose amber_store loads the same steps too")
+    p.add_argument("--paths", nargs="*", default=[], metavar="PATH",
+                   help="also decode by these paths (AMBER_DECODE_PATH: avx512, avx2, portable, c-blosc)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args()
-    cases = CASES + INTO + ([f"full step{BEFORE}", f"delta step{BEFORE}"] if args.before else [])
+    cases = (CASES + INTO + ([f"full step{BEFORE}", f"delta step{BEFORE}"] if args.before else [])
+             + [f"{kind} [{path}]" for path in args.paths for kind in CASES[1:]])
     root = Path(tempfile.mkdtemp(prefix="amber-cold-"))
     cold: dict[str, list[dict]] = {k: [] for k in cases}
     imports: dict[str, list[float]] = {k: [] for k in cases}
     warm: dict[str, list[dict]] = {k: [] for k in cases}
     try:
-        prepare(root, args.mb)
+        prepare(root, args.mb, getattr(__import__("torch"), args.dtype))
         for r in range(args.rounds):
             for kind in rotated(cases, r):
                 got = child(kind, root, 1, args.before)
@@ -124,20 +140,24 @@ def main() -> None:
     def peer(kind: str) -> str:
         return INTO[0] if kind in INTO else CASES[0]
 
-    before = f" --before {args.before}" if args.before else ""
-    print(f"`python benchmarks/cold_load.py --mb {args.mb} --rounds {args.rounds}{before}`; machine: {machine()}; "
-          f"state {args.mb} MiB fp32 (a full step and a delta step 1e-4 of the weights' scale apart); page cache warm\n")
+    flags = (f" --before {args.before}" if args.before else "") + (f" --paths {' '.join(args.paths)}" if args.paths else "") \
+        + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
+    print(f"`python benchmarks/cold_load.py --mb {args.mb} --rounds {args.rounds}{flags}`; machine: {machine()}; "
+          f"state {args.mb} MiB {args.dtype} (a full step and a delta step apart by a step's update); page cache "
+          "warm. \"imports s\": what a load imports beyond torch (amber-store, zarr, ...), paid once by a "
+          "fresh process; \"with imports\": the fresh process's load and those imports against torch.load's\n")
     rows = []
     for kind in cases:
         secs = [x["seconds"] for x in cold[kind]]
         base = statistics.median(x["seconds"] for x in cold[peer(kind)])
         base_warm = statistics.median(x["seconds"] for x in warm[peer(kind)])
-        rows.append([kind, spread(secs), f"{statistics.median(secs) / base:.2f}x",
+        with_imports = statistics.median(x["seconds"] + i for x, i in zip(cold[kind], imports[kind]))
+        rows.append([kind, spread(secs), f"{statistics.median(secs) / base:.2f}x", f"{with_imports / base:.2f}x",
                      f"{statistics.median(x['user'] for x in cold[kind]):.2f}",
                      f"{statistics.median(x['sys'] for x in cold[kind]):.2f}", spread(imports[kind]),
                      spread([x["seconds"] for x in warm[kind]]),
                      f"{statistics.median(x['seconds'] for x in warm[kind]) / base_warm:.2f}x"])
-    print(table(["load", "fresh process s", "vs torch.load", "user s", "sys s", "imports s", "warm s",
+    print(table(["load", "fresh process s", "vs torch.load", "with imports", "user s", "sys s", "imports s", "warm s",
                  "warm vs torch.load"], rows))
     if args.json:
         args.json.write_text(json.dumps({"mb": args.mb, "cold": cold, "imports": imports, "warm": warm}, indent=1))

@@ -39,10 +39,27 @@ def rotated(items: list[T], round_: int) -> list[T]:
 
 
 def machine() -> str:
+    """The machine and the decode path its loads took (which the CPU's flags decide)."""
     import os
 
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, {platform.system()}")
+            f"Python {platform.python_version()}, torch {torch.__version__}, {platform.system()}, {decoder()}")
+
+
+def decoder() -> str:
+    """The native decoder's path for 4- and 2-byte elements (``AMBER_DECODE_PATH`` may force one)
+    and the CPU flags that choose it."""
+    from pathlib import Path
+
+    from amber_store.codecs.compression import decode_paths
+
+    flags = set()
+    if Path("/proc/cpuinfo").exists():
+        flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                          if line.startswith(("flags", "Features"))), []))
+    shown = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vbmi", "gfni", "asimd", "sve") if f in flags]
+    paths = decode_paths()
+    return f"decode path fp32 {paths[4]}, bf16/fp16 {paths[2]} (CPU flags: {' '.join(shown) or 'none of note'})"
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -9,8 +9,8 @@ child with ASan's report and this script with a non-zero status.
 
     python benchmarks/fuzz_native.py [--frames 30000] [--seed 0]
 
-Where the CPU lacks AVX-512 VBMI and GFNI, the decoder takes no frame: only its header checks
-run (said in the output).
+Frames of 4- and 2-byte elements; each decode takes one of the paths this CPU runs, at random
+(said in the output).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def build(out: Path) -> Path:
     so = out / f"_blosc1{sysconfig.get_config_var('EXT_SUFFIX')}"
     cmd = [os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
            "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-           f"-I{sysconfig.get_paths()['include']}", str(NATIVE / "blosc1.c"), str(NATIVE / "lz4.c"), "-o", str(so)]
+           f"-I{sysconfig.get_paths()['include']}", *(str(NATIVE / f) for f in ("blosc1.c", "decode.c", "lz4.c")), "-o", str(so)]
     subprocess.run(cmd, check=True)
     return so
 
@@ -48,7 +48,7 @@ def fuzz(frames: int, seed: int) -> None:
     from amber_store.codecs import Compression, DiffDeltaCodec
 
     rng = np.random.default_rng(seed)
-    print(f"kernel runs on this CPU: {bool(_blosc1.fast)}")
+    print(f"paths this CPU runs: {', '.join(_blosc1.paths)}")
     bases = []
     for n in (4096, 1 << 18, 3 << 18):
         weights = (rng.standard_normal(n) * 0.02).astype(np.float32)
@@ -57,12 +57,14 @@ def fuzz(frames: int, seed: int) -> None:
         codec, diff = DiffDeltaCodec(), np.empty(n, np.uint32)
         codec.encode_into(diff, moved, weights.view(np.uint32))
         bases.append(b"".join(Compression().compress(diff.view(np.uint8), 4, codec))[:-4])
+        half = (weights[: n // 2] if n > 4096 else np.resize(weights, 2 * n)).astype(np.float16)
+        bases.append(b"".join(Compression().compress(half.view(np.uint8), 2, None))[:-4])
     tally = {"decoded": 0, "ValueError": 0}
 
     def attempt(frame: bytes | bytearray, nbytes: int) -> None:
         out = np.zeros(nbytes // 4, np.uint32)
         try:
-            _blosc1.decode(frame, out, int(rng.integers(0, 2)))
+            _blosc1.decode(frame, out, int(rng.integers(0, 2)), str(rng.choice(_blosc1.paths)))
             tally["decoded"] += 1
         except ValueError:
             tally["ValueError"] += 1
@@ -109,7 +111,7 @@ def fuzz(frames: int, seed: int) -> None:
         for _ in range(20):
             out = np.zeros(nbytes // 4, np.uint32)
             try:
-                _blosc1.decode(frame, out, 0)
+                _blosc1.decode(frame, out, 0, str(rng.choice(_blosc1.paths)))
                 raced["decoded"] += 1
             except ValueError:
                 raced["ValueError"] += 1

@@ -1,10 +1,15 @@
-"""The native decoder of full values and lossless diffs (amber_store.codecs._blosc1): the same
-bits as c-blosc and numpy's apply, the frames it does not take left to them, corrupt frames
-refused without reading or writing out of bounds."""
+"""The native decoder of full values and lossless diffs (amber_store.codecs._blosc1): by every path
+this CPU runs (AVX-512, AVX2, portable), the same bits as c-blosc and numpy's apply for 4- and 2-byte
+elements, the frames it does not take left to them, corrupt frames refused without reading or
+writing out of bounds; its C core alone, natively and built for aarch64 under qemu-user."""
 
 from __future__ import annotations
 
+import os
+import platform
 import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +20,10 @@ from amber_store.codecs import Compression, DiffDeltaCodec, compression, decompr
 from conftest import assert_tree_bit_equal
 
 native = compression._blosc1
-needs_kernel = pytest.mark.skipif(native is None or not native.fast,
-                                  reason="the native decoder is not built, or this CPU lacks AVX-512 VBMI and GFNI")
+needs_native = pytest.mark.skipif(native is None, reason="the native decoder is not built (no C compiler at install)")
+#: every path this CPU runs (none without the native decoder)
+PATHS = list(native.paths) if native is not None else []
+NATIVE_SOURCES = Path(compression.__file__).parent / "native"
 
 
 @pytest.fixture
@@ -25,27 +32,53 @@ def blosc_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compression, "_blosc1", None)
 
 
-def values(kind: str, n: int, seed: int = 0) -> np.ndarray:
-    """``n`` float32 bits whose bit planes compress (lz4 streams), do not (stored raw), or both."""
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Decode by this path (as ``AMBER_DECODE_PATH`` does)."""
+    monkeypatch.setattr(compression, "_PATH", request.param)
+    return request.param
+
+
+def values(kind: str, n: int, seed: int = 0, width: int = 4) -> np.ndarray:
+    """``n`` float32 (``width`` 2: float16) bits whose bit planes compress (lz4 streams), do not
+    (stored raw), or both."""
     rng = np.random.default_rng(seed)
+    uint, fp = (np.uint32, np.float32) if width == 4 else (np.uint16, np.float16)
     if kind == "weights":  # sign and exponent planes compress, mantissa planes are stored raw
-        return (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
+        return (rng.standard_normal(n) * 0.02).astype(fp).view(uint)
     if kind == "random bits":
-        return rng.integers(0, 1 << 32, n, dtype=np.uint32)
+        return rng.integers(0, 1 << (8 * width), n, dtype=uint)
     if kind == "runs":
-        return np.repeat(rng.integers(0, 1 << 32, n // 1024 + 1, dtype=np.uint32), 1024)[:n]
-    return np.zeros(n, np.uint32)
+        return np.repeat(rng.integers(0, 1 << (8 * width), n // 1024 + 1, dtype=uint), 1024)[:n]
+    return np.zeros(n, uint)
 
 
 def stored(payload: np.ndarray, delta: DiffDeltaCodec | None = None) -> bytes:
     """A stored chunk of ``payload`` as the writer frames it (blosc frame, then its crc32c)."""
-    return b"".join(Compression().compress(payload.view(np.uint8), 4, delta))
+    return b"".join(Compression().compress(payload.view(np.uint8), payload.itemsize, delta))
 
 
 #: what compresses (random bits do not: c-blosc then copies the whole chunk, which it decodes)
 KINDS = ["weights", "runs", "zeros"]
-#: 16 KiB (one small block), one 1 MiB block, a 4 MiB chunk, 3 MiB (three blocks)
+#: 16 KiB (one small block), one 1 MiB block, a 4 MiB chunk, 3 MiB (three blocks) of 4-byte elements
 SIZES = [4096, 1 << 18, 1 << 20, 3 << 18]
+
+
+def test_the_paths_it_runs_are_those_this_cpu_has():
+    if native is None:
+        pytest.skip("the native decoder is not built (no C compiler at install)")
+    flags = set()
+    if Path("/proc/cpuinfo").exists():
+        flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                          if line.startswith("flags")), []))
+    want = ["portable"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        want = (["avx512"] if {"avx512f", "avx512bw", "avx512vbmi", "gfni"} <= flags else []) \
+            + (["avx2"] if "avx2" in flags else []) + want
+    assert list(native.paths) == want
+    fastest = {4: want[0], 2: next(p for p in want if p != "avx512")}
+    assert compression.decode_paths() == (fastest if compression._PATH is None else
+                                          {ts: compression._PATH for ts in (2, 4)})
 
 
 def test_the_native_decoder_is_built_where_a_c_compiler_is():
@@ -54,50 +87,56 @@ def test_the_native_decoder_is_built_where_a_c_compiler_is():
     assert native is not None, "pip install built no amber_store.codecs._blosc1 although a C compiler is here"
 
 
-@needs_kernel
+@pytest.mark.parametrize("width", [4, 2])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_full_values_decode_to_c_bloscs_bits(kind, n, monkeypatch):
-    v = values(kind, n)
+def test_full_values_decode_to_c_bloscs_bits(kind, n, width, path, monkeypatch):
+    v = values(kind, n, width=width)
     chunk = stored(v)
-    out = np.full(n, 0xDEADBEEF, np.uint32)
-    assert fuses(chunk, out)
+    out = np.full(n, 0xBEEF, v.dtype)
+    # (the AVX-512 kernel takes 4-byte elements: by that path alone, 2-byte ones go to c-blosc)
+    assert fuses(chunk, out) == (path != "avx512" or width == 4)
     assert decompress(chunk, out.view(np.uint8)) is not None
     monkeypatch.setattr(compression, "_blosc1", None)
-    ref = np.empty(n, np.uint32)
+    ref = np.empty(n, v.dtype)
     assert decompress(chunk, ref.view(np.uint8)) is not None
     assert np.array_equal(out, ref) and np.array_equal(out, v)
 
 
-@needs_kernel
+@pytest.mark.parametrize("width", [4, 2])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("step", ["small update", "wraps around"])
-def test_a_fused_diff_applies_onto_its_base_as_decode_then_apply_does(step, n, monkeypatch):
-    base = values("weights", n, seed=1)
+def test_a_fused_diff_applies_onto_its_base_as_decode_then_apply_does(step, n, width, path, monkeypatch):
+    base = values("weights", n, seed=1, width=width)
+    fp = base.view(np.float32 if width == 4 else np.float16)
     if step == "small update":
-        new = (base.view(np.float32) + np.float32(1e-4) * values("weights", n, seed=2).view(np.float32)).view(np.uint32)
-    else:  # differences across 0 and 2**32, each way
-        base = np.resize(np.array([0, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF], np.uint32), n)
-        new = np.resize(np.array([0xFFFFFFFF, 0, 0x7FFFFFFF, 0x80000000], np.uint32), n)
+        new = (fp + fp.dtype.type(1e-2) * values("weights", n, seed=2, width=width).view(fp.dtype)).view(base.dtype)
+    else:  # differences across 0 and 2**width, each way
+        top = (1 << (8 * width)) - 1
+        base = np.resize(np.array([0, top, top // 2 + 1, top // 2], base.dtype), n)
+        new = np.resize(np.array([top, 0, top // 2, top // 2 + 1], base.dtype), n)
     codec = DiffDeltaCodec()
     delta = np.empty_like(base)
     codec.encode_into(delta, new, base)
     chunk = stored(delta, codec)
     out = base.copy()
+    assert not fuses(chunk, out.view(np.uint8), codec.fused_op)  # an apply needs the chunk's elements
+    if path == "avx512" and width == 2:  # (2-byte elements go to AVX2 there, unless AVX-512 is forced)
+        assert not fuses(chunk, out, codec.fused_op)
+        return
     assert codec.fused_op is not None and fuses(chunk, out, codec.fused_op)
     assert decompress(chunk, out, codec.fused_op) is out
     monkeypatch.setattr(compression, "_blosc1", None)
     raw = decompress(chunk)
     ref = base.copy()
-    codec.apply_into(ref, raw.view(np.uint32), (slice(0, n),), None)
+    codec.apply_into(ref, raw.view(base.dtype), (slice(0, n),), None)
     assert np.array_equal(out, ref) and np.array_equal(out, new)
 
 
-@needs_kernel
-def test_frames_it_does_not_take_are_left_to_c_blosc_and_still_decode():
+def test_frames_it_does_not_take_are_left_to_c_blosc_and_still_decode(path):
     v = values("weights", 1 << 18)
     cases = {
-        "2-byte elements": b"".join(Compression().compress(v.view(np.uint8), 2, None)),
+        "1-byte elements": b"".join(Compression().compress(v.view(np.uint8), 1, None)),
         "zstd": b"".join(Compression(compressor="zstd").compress(v.view(np.uint8), 4, None)),
         "byte-shuffled": stored(v, amber.codecs.XorDeltaCodec()),
         "a block that is not a whole number of 512 elements": stored(v[:1000]),
@@ -114,8 +153,7 @@ def test_frames_it_does_not_take_are_left_to_c_blosc_and_still_decode():
     assert np.array_equal(decompress(stored(v), bigger)[: v.nbytes].view(np.uint32), v)
 
 
-@needs_kernel
-def test_corrupt_frames_raise_and_never_write_past_the_output():
+def test_corrupt_frames_raise_and_never_write_past_the_output(path):
     rng = np.random.default_rng(7)
     frames = [stored(values(kind, 1 << 16, seed=3))[:-4] for kind in ("weights", "runs")]
     failed = 0
@@ -128,15 +166,14 @@ def test_corrupt_frames_raise_and_never_write_past_the_output():
                 frame[at] = int(rng.integers(0, 256))
         out = np.zeros((1 << 18) + 4096, np.uint8)  # the chunk, then a guard
         try:
-            native.decode(bytes(frame), out[: 1 << 18], native.STORE)
+            native.decode(bytes(frame), out[: 1 << 18], native.STORE, path)
         except ValueError:
             failed += 1
         assert not out[1 << 18:].any(), "wrote past its output"
     assert failed >= 200  # every cut frame at least
 
 
-@needs_kernel
-def test_a_store_loads_the_same_bits_through_the_native_decoder_and_c_blosc(tmp_path, monkeypatch):
+def test_a_store_loads_the_same_bits_through_the_native_decoder_and_c_blosc(tmp_path, path, monkeypatch):
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(1024, 1024, generator=g) * 0.02, "edge": torch.randn(1000, 333, generator=g),
              "half": torch.randn(512, 512, generator=g).bfloat16(), "small": torch.randn(10, generator=g)}
@@ -160,3 +197,57 @@ def test_a_store_loads_bit_exactly_without_the_native_decoder(tmp_path, blosc_on
         store.save(2, state)
     assert not fuses(b"\0" * 64, np.empty(16, np.uint8))
     assert_tree_bit_equal(amber.open(tmp_path / "s", mode="r").load(2, lazy=False), state)
+
+
+def selftest_cases(folder: Path) -> list[str]:
+    """Case files for the C self-test (selftest.c's format): frames written by c-blosc, of 4- and
+    2-byte elements, values and diffs onto a base, with the bits c-blosc and numpy's apply give."""
+    folder.mkdir()
+    codec, files = DiffDeltaCodec(), []
+    for width in (4, 2):
+        for kind in KINDS:
+            for n in (4096, 1 << 19):
+                v = values(kind, n, seed=n, width=width)
+                cases = {"store": (np.full_like(v, 7), v, stored(v))}
+                base = values("weights", n, seed=n + 1, width=width)
+                delta = np.empty_like(v)
+                codec.encode_into(delta, v, base)
+                cases["unzigzag_add"] = (base, v, stored(delta, codec))
+                for op, (before, after, chunk) in cases.items():
+                    frame = chunk[:-4]
+                    if frame[2] & 0x2:  # incompressible: c-blosc copied it whole, left to c-blosc
+                        continue
+                    header = b"AMBC" + b"".join(x.to_bytes(4, "little") for x in (
+                        ["store", "unzigzag_add"].index(op), v.nbytes, len(frame)))
+                    path = folder / f"{width}-{kind}-{n}-{op}"
+                    path.write_bytes(header + frame + before.tobytes() + after.tobytes())
+                    files.append(str(path))
+    return files
+
+
+def run_selftest(cc: list[str], run: list[str], tmp_path: Path) -> str:
+    exe = tmp_path / "selftest"
+    subprocess.run([*cc, "-O2", "-o", str(exe), f"-I{NATIVE_SOURCES}",
+                    *(str(NATIVE_SOURCES / f) for f in ("selftest.c", "decode.c", "lz4.c"))], check=True)
+    cases = selftest_cases(tmp_path / "cases")
+    done = subprocess.run([*run, str(exe), *cases], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert len(cases) >= 20 and done.stdout.endswith(f": {len(cases)} cases, {200 * len(cases)} mutated frames\n")
+    return done.stdout.split(":")[0]
+
+
+def test_the_c_core_alone_decodes_by_every_path_this_cpu_runs(tmp_path):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler here")
+    ran = run_selftest([cc], [], tmp_path).split(",")
+    assert ran == PATHS if native is not None else "portable" in ran
+
+
+def test_the_c_core_built_for_aarch64_decodes_the_same_bits_under_qemu(tmp_path):
+    """aarch64 (its portable path compiles to NEON) under qemu-user: Debian's ``qemu-user`` and
+    ``gcc-aarch64-linux-gnu`` (.ci/run installs them where apt-get can)."""
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cc is None or qemu is None:
+        pytest.skip("no aarch64-linux-gnu-gcc or qemu-aarch64 here (Debian: gcc-aarch64-linux-gnu, qemu-user)")
+    assert run_selftest([cc, "-static"], [qemu], tmp_path) == "portable"

@@ -3,6 +3,7 @@ crc32c; their decompression into reused buffers."""
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,16 @@ try:  # built at install where a C compiler is (pyproject's ext-modules); else c
     from . import _blosc1
 except ImportError:
     _blosc1 = None
+
+#: The native decoder's path every decode takes (``AMBER_DECODE_PATH``: one of ``_blosc1.paths``,
+#: or ``c-blosc`` to leave every chunk to c-blosc; to time or test a path on a CPU that runs a
+#: faster one); ``None``: the fastest this CPU runs for each chunk's elements.
+_PATH = os.environ.get("AMBER_DECODE_PATH") or None
+if _PATH == "c-blosc":
+    _blosc1 = _PATH = None
+elif _PATH is not None and (_blosc1 is None or _PATH not in _blosc1.paths):
+    raise ImportError(f"AMBER_DECODE_PATH={_PATH!r}: this machine decodes by "
+                      f"{['c-blosc', *(_blosc1.paths if _blosc1 else ())]}")
 
 if TYPE_CHECKING:
     from .base import DeltaCodec
@@ -119,12 +130,22 @@ FUSED_OPS = ("store", "unzigzag_add")
 
 def fuses(stored: Any, out: np.ndarray, op: str = "store") -> bool:
     """Whether the native decoder takes this stored chunk for ``out`` (its exact size and, to
-    apply ``op`` onto it, 4-byte elements): the raw values of full steps and the lossless diffs
-    of large tensors (4-byte elements, bit-shuffled, lz4), on a CPU with AVX-512 VBMI and GFNI.
-    It decodes them in one pass per block, against c-blosc's three and numpy's apply: a delta
-    step's load in a fresh process takes 0.6x the time (measured: docs/PERFORMANCE.md)."""
+    apply ``op`` onto it, elements of the chunk's width): the raw values of full steps and the
+    lossless diffs of large tensors (2- or 4-byte elements, bit-shuffled, lz4). It decodes them
+    in one pass per block, against c-blosc's three and numpy's apply: a delta step's load in a
+    fresh process takes 0.6x the time (measured: docs/PERFORMANCE.md)."""
     return (_blosc1 is not None and op in FUSED_OPS and out.flags.c_contiguous
-            and (op == "store" or out.itemsize == 4) and _blosc1.takes(stored, out.nbytes))
+            and _blosc1.takes(stored, out.nbytes, 0 if op == "store" else out.itemsize, _PATH))
+
+
+def decode_paths() -> dict[int, str]:
+    """The path that decodes chunks of each element width (bytes) the native decoder takes on this
+    machine: ``avx512``, ``avx2``, ``portable`` (NEON on aarch64) or ``c-blosc``."""
+    def path(ts: int) -> str:
+        takes = [p for p in ((_PATH,) if _PATH else _blosc1.paths if _blosc1 else ()) if ts == 4 or p != "avx512"]
+        return takes[0] if takes else "c-blosc"
+
+    return {ts: path(ts) for ts in (2, 4)}
 
 
 def decompress(stored: Any, out: np.ndarray | None = None, op: str = "store") -> np.ndarray | None:
@@ -144,7 +165,7 @@ def decompress(stored: Any, out: np.ndarray | None = None, op: str = "store") ->
         return None
     if out is not None and fuses(body, out, op):
         try:
-            _blosc1.decode(body, out, getattr(_blosc1, op.upper()))
+            _blosc1.decode(body, out, getattr(_blosc1, op.upper()), _PATH)
         except ValueError:
             return None
         return out

@@ -1,181 +1,53 @@
-/* amber_store.codecs._blosc1: decodes the stored chunks a load reads the most (c-blosc 1.x frames
- * of 4-byte elements, bit-shuffled, lz4) in one pass per block: lz4 into a block buffer, then a
- * bit-unshuffle that stores the values or applies them, as a lossless diff, onto the base bits
- * already in the output. c-blosc unshuffles in two passes, copies incompressible streams first,
- * and leaves the apply to a third pass (measured on a delta step's load: see docs/PERFORMANCE.md).
- *
- * The unshuffle needs AVX-512 (F, BW, VBMI) and GFNI; elsewhere `takes` answers False and callers
- * decode with c-blosc. Frames are validated here whatever the caller checked: a corrupt one raises
- * ValueError and never reads or writes out of bounds (lz4's safe decoder, offsets bounded). */
+/* amber_store.codecs._blosc1: the native decoder (decode.c) bound to Python. Frame headers are
+ * read with the GIL held; the decode runs without it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "lz4.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define HAVE_KERNEL 1
-#else
-#define HAVE_KERNEL 0
-#endif
+#include "decode.h"
 
-/* c-blosc 1.x's frame: a 16-byte header, then one int32 offset per block; a block holds
- * `typesize` streams (one, if DONT_SPLIT), each an int32 size and lz4's output, or the raw
- * bytes when that size equals the stream's uncompressed size. */
-enum { HEADER = 16, DOSHUFFLE = 0x1, MEMCPYED = 0x2, DOBITSHUFFLE = 0x4, DONT_SPLIT = 0x10, LZ4_FORMAT = 1 };
-enum { TYPESIZE = 4, OP_STORE = 0, OP_UNZIGZAG_ADD = 1 };
-
-static int fast = 0; /* whether this CPU runs the kernel */
-
-static uint32_t u32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
+/* The path named `name` (NULL: -1, the fastest), or -2 if it names none. */
+static int path_named(const char *name) {
+    if (!name) return -1;
+    for (int p = 0; p < NPATHS; p++)
+        if (!strcmp(name, PATH_NAMES[p])) return p;
+    return -2;
 }
 
-/* A frame's header, copied out of the frame once, with the GIL held: the decode runs from these
- * values only (the caller's buffer may change while the GIL is released). */
-typedef struct {
-    uint8_t flags;
-    uint32_t size, block;
-} header_t;
-
-/* Whether the frame's header is one this decoder takes, for an output of `nbytes`; if so, *h
- * holds it. Every field the decode divides or sizes by is checked here (a block of 0 included). */
-static int read_header(const uint8_t *f, size_t len, size_t nbytes, header_t *h) {
-    if (!fast || len < HEADER) return 0;
-    h->flags = f[2];
-    h->size = u32(f + 4);
-    h->block = u32(f + 8);
-    return f[3] == TYPESIZE && (h->flags & DOBITSHUFFLE) && !(h->flags & (DOSHUFFLE | MEMCPYED)) &&
-           (h->flags >> 5) == LZ4_FORMAT && h->size == nbytes && h->block > 0 && h->block % 2048 == 0 &&
-           h->size % h->block == 0;
-}
-
-#if HAVE_KERNEL
-/* Bit-unshuffle one block of `n` 4-byte elements (n % 512 == 0) whose bit planes of byte j lie
- * at planes[j] (8 rows of n / 8 bytes), storing the elements into dst or adding their zigzag
- * decoding to it. Per 512 elements: eight 64-byte rows of each byte's planes, transposed as 8x8
- * qwords, then as 8x8 bytes (vpermb) and 8x8 bits (one affine op per qword), and the four
- * bytes of each element interleaved. */
-__attribute__((target("avx512f,avx512bw,avx512vbmi,gfni")))
-static void unshuffle4(const uint8_t *const planes[4], uint32_t *dst, size_t n, int op) {
-    const size_t rowlen = n / 8;
-    uint8_t tb[64], ilo[64], ihi[64];
-    uint16_t wlo[32], whi[32];
-    for (int c = 0; c < 8; c++)
-        for (int m = 0; m < 8; m++) tb[c * 8 + m] = (uint8_t)((7 - m) * 8 + c);
-    for (int e = 0; e < 32; e++) {
-        ilo[2 * e] = (uint8_t)e; ilo[2 * e + 1] = (uint8_t)(64 + e);
-        ihi[2 * e] = (uint8_t)(32 + e); ihi[2 * e + 1] = (uint8_t)(96 + e);
-    }
-    for (int e = 0; e < 16; e++) {
-        wlo[2 * e] = (uint16_t)e; wlo[2 * e + 1] = (uint16_t)(32 + e);
-        whi[2 * e] = (uint16_t)(16 + e); whi[2 * e + 1] = (uint16_t)(48 + e);
-    }
-    const __m512i T = _mm512_loadu_si512(tb), IL = _mm512_loadu_si512(ilo), IH = _mm512_loadu_si512(ihi);
-    const __m512i WL = _mm512_loadu_si512(wlo), WH = _mm512_loadu_si512(whi);
-    const __m512i BITT = _mm512_set1_epi64(0x8040201008040201ULL); /* transposes each 8x8 bit block */
-    const __m512i ONE = _mm512_set1_epi32(1);
-    for (size_t g = 0; g < rowlen; g += 64) {
-        __m512i P[4][8];
-        for (int j = 0; j < 4; j++) {
-            const uint8_t *r = planes[j] + g;
-            __m512i R[8], t[8], u[8], x[8];
-            for (int k = 0; k < 8; k++) R[k] = _mm512_loadu_si512(r + k * rowlen);
-            for (int k = 0; k < 8; k += 2) {
-                t[k] = _mm512_unpacklo_epi64(R[k], R[k + 1]);
-                t[k + 1] = _mm512_unpackhi_epi64(R[k], R[k + 1]);
-            }
-            u[0] = _mm512_shuffle_i64x2(t[0], t[2], 0x88); u[1] = _mm512_shuffle_i64x2(t[0], t[2], 0xDD);
-            u[2] = _mm512_shuffle_i64x2(t[1], t[3], 0x88); u[3] = _mm512_shuffle_i64x2(t[1], t[3], 0xDD);
-            u[4] = _mm512_shuffle_i64x2(t[4], t[6], 0x88); u[5] = _mm512_shuffle_i64x2(t[4], t[6], 0xDD);
-            u[6] = _mm512_shuffle_i64x2(t[5], t[7], 0x88); u[7] = _mm512_shuffle_i64x2(t[5], t[7], 0xDD);
-            x[0] = _mm512_shuffle_i64x2(u[0], u[4], 0x88); x[4] = _mm512_shuffle_i64x2(u[0], u[4], 0xDD);
-            x[2] = _mm512_shuffle_i64x2(u[1], u[5], 0x88); x[6] = _mm512_shuffle_i64x2(u[1], u[5], 0xDD);
-            x[1] = _mm512_shuffle_i64x2(u[2], u[6], 0x88); x[5] = _mm512_shuffle_i64x2(u[2], u[6], 0xDD);
-            x[3] = _mm512_shuffle_i64x2(u[3], u[7], 0x88); x[7] = _mm512_shuffle_i64x2(u[3], u[7], 0xDD);
-            for (int i = 0; i < 8; i++)
-                P[j][i] = _mm512_gf2p8affine_epi64_epi8(BITT, _mm512_permutexvar_epi8(T, x[i]), 0);
-        }
-        for (int i = 0; i < 8; i++) {
-            __m512i al = _mm512_permutex2var_epi8(P[0][i], IL, P[1][i]), ah = _mm512_permutex2var_epi8(P[0][i], IH, P[1][i]);
-            __m512i bl = _mm512_permutex2var_epi8(P[2][i], IL, P[3][i]), bh = _mm512_permutex2var_epi8(P[2][i], IH, P[3][i]);
-            __m512i o[4] = {_mm512_permutex2var_epi16(al, WL, bl), _mm512_permutex2var_epi16(al, WH, bl),
-                            _mm512_permutex2var_epi16(ah, WL, bh), _mm512_permutex2var_epi16(ah, WH, bh)};
-            uint32_t *d = dst + (g + 8 * i) * 8;
-            for (int q = 0; q < 4; q++) {
-                if (op == OP_STORE) {
-                    _mm512_storeu_si512(d + 16 * q, o[q]);
-                } else { /* the diff's zigzag: 0, -1, 1, -2, ... <- 0, 1, 2, 3, ... */
-                    __m512i z = o[q];
-                    __m512i v = _mm512_xor_si512(_mm512_srli_epi32(z, 1),
-                                                 _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_and_si512(z, ONE)));
-                    _mm512_storeu_si512(d + 16 * q, _mm512_add_epi32(_mm512_loadu_si512(d + 16 * q), v));
-                }
-            }
-        }
-    }
-}
-#endif
-
-/* Decode the frame f (len bytes), whose header is h, into dst (h->size bytes). Returns NULL or the
- * reason it is corrupt. */
-static const char *decode(const header_t *h, const uint8_t *f, size_t len, uint8_t *dst, int op, uint8_t *tmp) {
-#if HAVE_KERNEL
-    const uint32_t block = h->block, nblocks = h->size / block;
-    const int nsplits = (h->flags & DONT_SPLIT) ? 1 : TYPESIZE;
-    const size_t stream = block / nsplits;
-    if (HEADER + 4 * (size_t)nblocks > len) return "frame shorter than its block offsets";
-    for (uint32_t b = 0; b < nblocks; b++) {
-        const uint8_t *planes[TYPESIZE];
-        size_t at = u32(f + HEADER + 4 * (size_t)b);
-        for (int s = 0; s < nsplits; s++) {
-            if (at > len || len - at < 4) return "block offset out of the frame";
-            const int32_t csize = (int32_t)u32(f + at);
-            at += 4;
-            if (csize <= 0 || (size_t)csize > len - at) return "stream size out of the frame";
-            if ((size_t)csize == stream) {
-                planes[s] = f + at; /* stored raw: unshuffled from the frame itself */
-            } else {
-                uint8_t *out = tmp + s * stream;
-                if (LZ4_decompress_safe((const char *)f + at, (char *)out, csize, (int)stream) != (int)stream)
-                    return "lz4 stream does not decode to its size";
-                planes[s] = out;
-            }
-            at += (size_t)csize;
-        }
-        if (nsplits == 1)
-            for (int s = 1; s < TYPESIZE; s++) planes[s] = planes[0] + s * (block / TYPESIZE);
-        unshuffle4(planes, (uint32_t *)(dst + (size_t)b * block), block / TYPESIZE, op);
-    }
-    return NULL;
-#else
-    (void)h; (void)f; (void)len; (void)dst; (void)op; (void)tmp;
-    return "no kernel on this platform";
-#endif
-}
-
-static PyObject *py_takes(PyObject *self, PyObject *args) {
+static PyObject *py_takes(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"frame", "nbytes", "typesize", "path", NULL};
     Py_buffer frame;
     Py_ssize_t nbytes;
-    if (!PyArg_ParseTuple(args, "y*n", &frame, &nbytes)) return NULL;
+    int typesize = 0;
+    const char *name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*n|iz", kwlist, &frame, &nbytes, &typesize, &name)) return NULL;
     header_t h;
-    int ok = nbytes >= 0 && read_header(frame.buf, (size_t)frame.len, (size_t)nbytes, &h);
+    const int path = path_named(name);
+    int ok = path > -2 && nbytes >= 0 && read_header(frame.buf, (size_t)frame.len, (size_t)nbytes, typesize, &h) &&
+             path_for(h.typesize, path) >= 0;
     PyBuffer_Release(&frame);
     return PyBool_FromLong(ok);
 }
 
-static PyObject *py_decode(PyObject *self, PyObject *args) {
+static PyObject *py_decode(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"frame", "out", "op", "path", NULL};
     Py_buffer frame, out;
     int op;
-    if (!PyArg_ParseTuple(args, "y*w*i", &frame, &out, &op)) return NULL;
+    const char *name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*w*i|z", kwlist, &frame, &out, &op, &name)) return NULL;
     const char *err = NULL;
     header_t h;
-    if (op != OP_STORE && op != OP_UNZIGZAG_ADD) err = "unknown op";
-    else if (!read_header(frame.buf, (size_t)frame.len, (size_t)out.len, &h)) err = "not a frame this decoder takes";
+    int path = path_named(name);
+    if (path == -2) {
+        err = "unknown path";
+    } else if (op != OP_STORE && op != OP_UNZIGZAG_ADD) {
+        err = "unknown op";
+    } else if (!read_header(frame.buf, (size_t)frame.len, (size_t)out.len, 0, &h)) {
+        err = "not a frame this decoder takes";
+    } else if ((path = path_for(h.typesize, path)) < 0) {
+        err = "this CPU does not run that path for these elements";
+    }
     uint8_t *tmp = err ? NULL : malloc(h.block);
     if (!err && !tmp) {
         PyBuffer_Release(&frame);
@@ -184,7 +56,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     }
     if (!err) {
         Py_BEGIN_ALLOW_THREADS
-        err = decode(&h, frame.buf, (size_t)frame.len, out.buf, op, tmp);
+        err = decode(&h, frame.buf, (size_t)frame.len, out.buf, op, path, tmp);
         Py_END_ALLOW_THREADS
     }
     free(tmp);
@@ -198,28 +70,39 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"takes", py_takes, METH_VARARGS,
-     "takes(frame, nbytes) -> bool: whether decode() takes this frame for an output of nbytes "
-     "(4-byte elements, bit-shuffled, lz4; on a CPU with the kernel)."},
-    {"decode", py_decode, METH_VARARGS,
-     "decode(frame, out, op): decode the frame into the writable contiguous buffer out, op 0 "
-     "storing the elements, op 1 adding their zigzag decoding (mod 2**32) to out's. Raises "
-     "ValueError on a frame it does not take or a corrupt one (out then holds partial data)."},
+    {"takes", (PyCFunction)(void (*)(void))py_takes, METH_VARARGS | METH_KEYWORDS,
+     "takes(frame, nbytes, typesize=0, path=None) -> bool: whether decode() takes this frame for an "
+     "output of nbytes (2- or 4-byte elements, typesize of them unless 0, bit-shuffled, lz4), by "
+     "`path` (None: any this CPU runs)."},
+    {"decode", (PyCFunction)(void (*)(void))py_decode, METH_VARARGS | METH_KEYWORDS,
+     "decode(frame, out, op, path=None): decode the frame into the writable contiguous buffer out, "
+     "op 0 storing the elements, op 1 adding their zigzag decoding (modulo the element's width) to "
+     "out's, by `path` (one of `paths`; None: the fastest this CPU runs for the frame's elements). "
+     "Raises ValueError on a frame it does not take or a corrupt one (out then holds partial data)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_blosc1", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__blosc1(void) {
-#if HAVE_KERNEL
-    __builtin_cpu_init();
-    fast = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni");
-#endif
+    decoder_init();
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "STORE", OP_STORE) < 0 ||
+    if (!m) return NULL;
+    PyObject *paths = PyTuple_New(0);
+    for (int p = 0; paths && p < NPATHS; p++)
+        if (runs[p]) {
+            PyObject *name = PyUnicode_FromString(PATH_NAMES[p]);
+            if (!name || _PyTuple_Resize(&paths, PyTuple_GET_SIZE(paths) + 1) < 0) {
+                Py_XDECREF(name);
+                Py_CLEAR(paths);
+                break;
+            }
+            PyTuple_SET_ITEM(paths, PyTuple_GET_SIZE(paths) - 1, name);
+        }
+    if ((!paths || PyModule_AddIntConstant(m, "STORE", OP_STORE) < 0 ||
               PyModule_AddIntConstant(m, "UNZIGZAG_ADD", OP_UNZIGZAG_ADD) < 0 ||
-              PyModule_AddObject(m, "fast", PyBool_FromLong(fast)) < 0)) {
+              PyModule_AddObject(m, "paths", paths) < 0)) {
+        Py_XDECREF(paths);
         Py_DECREF(m);
         return NULL;
     }
