@@ -56,9 +56,7 @@ import torch.distributed.checkpoint as torch_dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.futures import Future
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (
@@ -69,12 +67,12 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from zarr.core.sync import sync
 
 from . import format as fmt
 from . import shards
+from .dcp_private import EmptyStateDictLoadPlanner, load_state_dict, set_element, unflatten_state_dict
 from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StorageAccessError, UnsafeValueError
 from .format import Manifest
 from .lazy import LazyTensor
@@ -539,7 +537,7 @@ def metadata_of(m: Manifest) -> Metadata:
     return Metadata(state, planner_data=planner_data, storage_data=keys)
 
 
-class _SafeValuesPlanner(_EmptyStateDictLoadPlanner):
+class _SafeValuesPlanner(EmptyStateDictLoadPlanner):
     """Rebuilds the saved state from the checkpoint's metadata (as torch's own
     ``format_utils.dcp_to_torch_save`` does), in the state's own order, but reads values with
     ``weights_only=True``."""
@@ -574,7 +572,7 @@ def import_checkpoint(store: Store, step: int, path: str | os.PathLike[str]) -> 
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent
         warnings.simplefilter("ignore", UserWarning)
         try:
-            _load_state_dict(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_SafeValuesPlanner(),
+            load_state_dict(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_SafeValuesPlanner(),
                              no_dist=True)
             torch_dcp.save(state, storage_writer=writer, no_dist=True)
         except CheckpointException as e:  # one process: its one failure, as it was raised

@@ -381,6 +381,14 @@ def test_a_dcp_checkpoint_directory_imports_as_a_sharded_step_that_loads_and_res
             store.import_checkpoint(40, tmp_path)
 
 
+def test_the_private_dcp_names_it_uses_were_checked_against_this_torch():
+    # A tripwire: on a torch release not in the list, check amber_store/dcp_private.py's names
+    # (signatures, behaviour as used), then add the release.
+    from amber_store.dcp_private import TORCH_CHECKED
+
+    assert torch.__version__.split("+")[0] in TORCH_CHECKED
+
+
 def test_gc_of_a_sharded_store_keeps_each_kept_step_loadable_by_dcp_and_as_one_state(fsdp_local, tmp_path):
     uri, _, out = fsdp_local
     copy = tmp_path / "ckpt"
