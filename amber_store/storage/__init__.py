@@ -8,12 +8,13 @@
 a zarr store object                :mod:`~amber_store.storage.zarrstore` (zarr's API as it is)
 =================================  ===========================================================
 
-:data:`~amber_store.storage.registry.BACKENDS` maps schemes to classes; only History and the
-Writer hold a backend, and nothing else looks at a scheme.
+:data:`~amber_store.storage.registry.BACKENDS` maps schemes to classes; :func:`register` (or an
+entry point in the group ``amber_store.backends``) adds one from outside the package. Only
+History and the Writer hold a backend, and nothing else looks at a scheme.
 """
 
 from .base import Backend, is_storage_error, reason, storage_errors
-from .registry import BACKENDS, SUPPORTED, backend_class, connect, resolve
+from .registry import BACKENDS, ENTRY_POINTS, backend_class, connect, register, resolve, supported
 
-__all__ = ["BACKENDS", "SUPPORTED", "Backend", "backend_class", "connect", "is_storage_error", "reason", "resolve",
-           "storage_errors"]
+__all__ = ["BACKENDS", "ENTRY_POINTS", "Backend", "backend_class", "connect", "is_storage_error", "reason", "register",
+           "resolve", "storage_errors", "supported"]

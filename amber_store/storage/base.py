@@ -51,7 +51,8 @@ class Backend(abc.ABC):
     Subclasses implement :meth:`from_uri` and :meth:`put_if_absent`; everything else has a
     default that goes through the zarr store, which a backend overrides where its storage
     can do better (a local rename, an object store's conditional create, an fsync). A new
-    backend is one module and one line in :data:`amber_store.storage.registry.BACKENDS`.
+    backend is one module and one line in :data:`amber_store.storage.registry.BACKENDS` (outside
+    the package: :func:`amber_store.storage.register`, or an ``amber_store.backends`` entry point).
     """
 
     #: URI schemes this backend serves (the registry maps each to the class)
