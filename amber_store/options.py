@@ -56,7 +56,8 @@ class Options:
         progress: show a tqdm bar while saving.
         max_inflight_bytes: bound on tensor bytes encoded but not yet written (128 MiB: the
             encoded chunks a save holds while storage lags, 32 requests of 4 MiB chunks; at 1 GiB
-            a save to SeaweedFS held 1.8x the state at its peak, and was no faster).
+            a save to SeaweedFS held 1.8x the state at its peak, and was no faster). On object
+            stores, whose puts hold a copy of each object's bytes, the copy counts too.
         base_cache: where this process keeps the values its next delta saves diff against
             (:mod:`~amber_store.bases`): ``"spill"`` (default: a local temporary file, written
             as a save encodes and read back by chunk, in the page cache while it fits; a few

@@ -350,13 +350,16 @@ class StepWriter:
     none are kept). Past ``deadline`` (``time.monotonic()``), waiting for
     writes raises :class:`TimeoutError` and ``close`` cancels the writes still in flight. Once
     ``stop`` is set (the save was interrupted), adding a tensor raises :class:`SaveStopped`.
+    ``put_holds_copy``: ``put`` holds a copy of an object's parts until it is written (counted
+    in flight too).
     """
 
     def __init__(self, put: Callable[[str, list[bytes]], Awaitable[None]], group: str, options: Options, *,
                  pack_name: str = fmt.PACK_PREFIX,
                  keeper: Keeper | None = None, deadline: float | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, put_holds_copy: bool = False) -> None:
         self._put_object = put
+        self._put_holds_copy = put_holds_copy
         self._deadline = deadline
         self._stop = stop
         self._group = group
@@ -586,6 +589,10 @@ class StepWriter:
         self._put(fmt.shard_key(p.entry.array, len(p.entry.shape)), parts, p.nbytes)
 
     def _put(self, key: str, parts: list[bytes], weight: int) -> None:
+        if self._put_holds_copy:
+            copy = sum(len(part) for part in parts)
+            self._inflight += copy
+            weight += copy
         fut = asyncio.run_coroutine_threadsafe(self._put_object(key, parts), self._loop)
         self._writes[fut] = weight
         self._out.keys.append(key)

@@ -152,7 +152,8 @@ class Writer:
         other ranks are not), but after a storage failure (see :meth:`abandon`). ``keeper``
         keeps the tensors' values as later saves' bases (``None``: none are kept)."""
         out = StepWriter(functools.partial(self.backend.put_object, durable=self.options.durable), plan.group,
-                         self.options, pack_name=pack_name, keeper=keeper, deadline=deadline, stop=stop)
+                         self.options, pack_name=pack_name, keeper=keeper, deadline=deadline, stop=stop,
+                         put_holds_copy=self.backend.put_holds_copy)
         try:
             fill(out)
             written = out.finish()

@@ -64,6 +64,10 @@ class Backend(abc.ABC):
     put_timeout: float | None = None
     #: whether :attr:`uri` opens the location again (what messages may tell a user to run)
     reopens: ClassVar[bool] = True
+    #: whether :meth:`put_object` holds a copy of an object's parts while it writes them (a body
+    #: joined for one request, a client's part buffers): a save counts it against
+    #: ``max_inflight_bytes`` (measured on SeaweedFS: uncounted, a save held twice the bound)
+    put_holds_copy: ClassVar[bool] = True
 
     def __init__(self, store: ZarrStore, uri: str) -> None:
         #: zarr's view of the location: the same objects, as any zarr v3 reader sees them

@@ -102,6 +102,7 @@ class LocalBackend(Backend):
     """A directory on a local (or mounted) filesystem."""
 
     schemes = ("file",)
+    put_holds_copy = False  # (each part written as it is)
 
     def __init__(self, path: Path, read_only: bool = False) -> None:
         super().__init__(MappedLocalStore(path, read_only=read_only), str(path))
