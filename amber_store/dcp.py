@@ -73,7 +73,7 @@ from zarr.core.sync import sync
 from . import format as fmt
 from . import shards
 from .dcp_private import EmptyStateDictLoadPlanner, load_state_dict, set_element, unflatten_state_dict
-from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, StorageAccessError, UnsafeValueError
+from .errors import CorruptDataError, NotAnAmberStoreError, StepNotFoundError, UnsafeValueError
 from .format import Manifest
 from .lazy import LazyTensor
 from .options import Options
@@ -260,8 +260,7 @@ class AmberStorageWriter(StorageWriter):
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         keyed = {item_key(item.index, item.type): item for item in plan.items}
         tensors = {key: _item_tensor(planner.resolve_data(item)) for key, item in keyed.items()}
-        timeout = writer.timeout(sum(t.nbytes for t in tensors.values()))
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = writer.deadline(sum(t.nbytes for t in tensors.values()))
         fut: Future[list[WriteResult]] = Future()  # DCP waits on torch futures
         if not keyed:  # (a rank whose every item another rank writes)
             fut.set_result([])
@@ -269,13 +268,11 @@ class AmberStorageWriter(StorageWriter):
         try:
             written = writer.write(decision, lambda out: writer.add_tensors(out, tensors, decision, cache=held.cache),
                                    pack_name=f"{fmt.PACK_PREFIX}-r{rank}", keeper=held.cache.keeper(),
-                                   deadline=deadline)
+                                   deadline=deadline.at)
         except (TimeoutError, asyncio.TimeoutError) as e:
-            if deadline is None or time.monotonic() < deadline:
+            if not deadline.passed():
                 raise  # one request's own timeout
-            raise StorageAccessError(
-                f"{held.store.uri}: saving step {decision.step} on rank {rank} did not finish within "
-                f"save_timeout={timeout:.0f} s ({e}); the step is not committed and earlier steps are untouched") from e
+            raise deadline.missed(f"{held.store.uri}: saving step {decision.step} on rank {rank}", f"stopped at: {e}") from e
         try:
             fragment = sync(writer.seal_rank(decision, written, rank))
         except BaseException:

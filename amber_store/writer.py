@@ -82,6 +82,23 @@ class StepPlan:
         return self.group.rsplit("-", 1)[1]
 
 
+@dataclass(frozen=True)
+class Deadline:
+    """When a save must be done by (``save_timeout``): ``seconds`` from its start, due at ``at``
+    (``time.monotonic()``); both ``None`` for a save without one."""
+
+    seconds: float | None
+    at: float | None
+
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def missed(self, what: str, where: str) -> StorageAccessError:
+        """The error of a save (``what``) out of time, ``where`` it stopped."""
+        return StorageAccessError(f"{what} did not finish within save_timeout={self.seconds:.0f} s, {where}; the "
+                                  "step is not committed and earlier steps are untouched")
+
+
 class Writer:
     """Saves steps into one store with its :class:`~amber_store.options.Options`, keeping in
     memory the values later deltas diff against (:attr:`bases`)."""
@@ -96,11 +113,12 @@ class Writer:
         #: ``None``: no store yet, the first save creates it)
         self.root_version: int | None = None
 
-    def timeout(self, nbytes: int) -> float | None:
-        """The save deadline (seconds) of ``nbytes`` of tensors (``save_timeout``)."""
-        if self.options.save_timeout == "auto":
-            return AUTO_TIMEOUT_SECONDS + nbytes / AUTO_TIMEOUT_RATE
-        return self.options.save_timeout
+    def deadline(self, nbytes: int) -> Deadline:
+        """The deadline of a save of ``nbytes`` of tensors starting now (``save_timeout``)."""
+        seconds = self.options.save_timeout
+        if seconds == "auto":
+            seconds = AUTO_TIMEOUT_SECONDS + nbytes / AUTO_TIMEOUT_RATE
+        return Deadline(seconds, None if seconds is None else time.monotonic() + seconds)
 
     # --- the transaction ------------------------------------------------------------------
 
@@ -268,23 +286,19 @@ class Writer:
                    t0: float, metrics: dict[str, float]) -> Manifest:
         """Write ``tensors`` (the leaves of ``tree``) as ``step`` and commit it; everything but
         the commit within the save's timeout. Returns its manifest."""
-        timeout = self.timeout(sum(t.nbytes for t in tensors.values()))
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = self.deadline(sum(t.nbytes for t in tensors.values()))
         doing: list[str] = []  # the stage reached, for the message of a save out of time
         planned: list[StepPlan] = []
         try:
-            written, created = await asyncio.wait_for(self._stage(step, tensors, full, deadline, doing, planned),
-                                                      timeout)
+            written, created = await asyncio.wait_for(self._stage(step, tensors, full, deadline.at, doing, planned),
+                                                      deadline.seconds)
         except (asyncio.TimeoutError, TimeoutError) as e:
-            if deadline is None or time.monotonic() < deadline:
+            if not deadline.passed():
                 raise  # one request's own timeout
             if planned:  # if the storage answers at once, the attempt's data goes now
                 await self.discard(planned[0].group, wait=DEADLINE_DISCARD_WAIT)
-            raise StorageAccessError(
-                f"{self.history.uri}: saving step {step} did not finish within save_timeout={timeout:.0f} s, stopped "
-                f"while {doing[-1]} (is the storage answering?); the step is not committed and earlier steps "
-                "are untouched"
-            ) from e
+            raise deadline.missed(f"{self.history.uri}: saving step {step}",
+                                  f"stopped while {doing[-1]} (is the storage answering?)") from e
         except BaseException as e:  # an error, or the caller interrupted (cancelled)
             if planned:
                 await self.abandon(planned[0], e)
