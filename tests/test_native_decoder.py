@@ -23,7 +23,7 @@ native = compression._blosc1
 needs_native = pytest.mark.skipif(native is None, reason="the native decoder is not built (no C compiler at install)")
 #: every path this CPU runs (none without the native decoder)
 PATHS = list(native.paths) if native is not None else []
-NATIVE_SOURCES = Path(compression.__file__).parent / "native"
+NATIVE_SOURCES = Path(__file__).resolve().parents[1] / "amber_store" / "codecs" / "native"
 
 
 @pytest.fixture
