@@ -9,6 +9,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -251,3 +252,19 @@ def test_the_c_core_built_for_aarch64_decodes_the_same_bits_under_qemu(tmp_path)
     if cc is None or qemu is None:
         pytest.skip("no aarch64-linux-gnu-gcc or qemu-aarch64 here (Debian: gcc-aarch64-linux-gnu, qemu-user)")
     assert run_selftest([cc, "-static"], [qemu], tmp_path) == "portable"
+
+
+@pytest.mark.parametrize("choice", ["c-blosc", "portable", "neon-on-x86"])
+def test_amber_decode_path_picks_a_path_or_fails_naming_those_this_machine_has(choice):
+    code = ("from amber_store.codecs import compression as c; import numpy as np; "
+            "print(c.decode_paths()[4], c.decode_paths()[2])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "AMBER_DECODE_PATH": choice})
+    if choice == "neon-on-x86":
+        assert done.returncode != 0
+        assert "AMBER_DECODE_PATH='neon-on-x86': this machine decodes by ['c-blosc'" in done.stderr
+    elif choice == "portable" and native is None:
+        assert done.returncode != 0 and "this machine decodes by ['c-blosc']" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == [choice, choice]
