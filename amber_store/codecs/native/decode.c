@@ -112,6 +112,7 @@ static void unshuffle_avx512(const uint8_t *const planes[4], uint32_t *dst, size
 }
 
 #define KERNEL unshuffle_avx2
+#define WIDE_VECTORS 1
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
 #include "unshuffle.h"
@@ -123,11 +124,14 @@ static void unshuffle_avx512(const uint8_t *const planes[4], uint32_t *dst, size
 #pragma GCC pop_options
 #endif
 #undef KERNEL
+#undef WIDE_VECTORS
 #endif
 
 #define KERNEL unshuffle_portable
+#define WIDE_VECTORS 0
 #include "unshuffle.h"
 #undef KERNEL
+#undef WIDE_VECTORS
 
 int path_for(int typesize, int path) {
     if (path >= 0) return path < NPATHS && runs[path] && !(path == PATH_AVX512 && typesize != 4) ? path : -1;

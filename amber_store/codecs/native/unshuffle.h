@@ -2,6 +2,8 @@
  * the function): plain C on vectors of four uint64 lanes (GCC/Clang vector extensions), so that
  * the same source runs as AVX2 on x86-64, NEON on aarch64 and SSE2 (or scalar code) elsewhere.
  *
+ * The includer defines KERNEL and WIDE_VECTORS (1 where a register holds 32 bytes).
+ *
  * Per 32 bytes of each of a byte's 8 bit rows (256 elements), every lane takes 8 columns: an 8x8
  * byte transpose across the rows gives, per column, its 8 rows' bytes in one uint64; an 8x8 bit
  * transpose inside it gives byte j of that column's 8 elements; the TS byte planes are then
@@ -10,6 +12,8 @@
 #ifndef AMBER_V4_DEFINED
 #define AMBER_V4_DEFINED
 typedef uint64_t v4 __attribute__((vector_size(32), aligned(8)));
+/* for loads and stores at any address (one unaligned vector move, not a copy through the stack) */
+typedef uint64_t v4u __attribute__((vector_size(32), aligned(1), may_alias));
 typedef uint32_t v8 __attribute__((vector_size(32), aligned(4)));
 typedef uint16_t v16 __attribute__((vector_size(32), aligned(2)));
 
@@ -35,29 +39,53 @@ typedef uint16_t h8 __attribute__((vector_size(16), aligned(2)));
     q2 lo_ = (q2)op(t, __builtin_shufflevector(a_, a_, 0, 1), __builtin_shufflevector(b_, b_, 0, 1)); \
     q2 hi_ = (q2)op(t, __builtin_shufflevector(a_, a_, 2, 3), __builtin_shufflevector(b_, b_, 2, 3)); \
     (v4){lo_[0], lo_[1], hi_[0], hi_[1]}; })
+/* Where they are one register (AVX2), the same as one shuffle of each half at once (one vpunpck) */
+#define WHOLE8(a, b, lo) ((v4)__builtin_shufflevector((v32)(a), (v32)(b), lo, 32 + lo, 1 + lo, 33 + lo, 2 + lo, \
+    34 + lo, 3 + lo, 35 + lo, 4 + lo, 36 + lo, 5 + lo, 37 + lo, 6 + lo, 38 + lo, 7 + lo, 39 + lo, 16 + lo, 48 + lo, \
+    17 + lo, 49 + lo, 18 + lo, 50 + lo, 19 + lo, 51 + lo, 20 + lo, 52 + lo, 21 + lo, 53 + lo, 22 + lo, 54 + lo, \
+    23 + lo, 55 + lo))
+#define WHOLE16(a, b, lo) ((v4)__builtin_shufflevector((v16)(a), (v16)(b), lo, 16 + lo, 1 + lo, 17 + lo, 2 + lo, \
+    18 + lo, 3 + lo, 19 + lo, 8 + lo, 24 + lo, 9 + lo, 25 + lo, 10 + lo, 26 + lo, 11 + lo, 27 + lo))
+/* a's and b's low (high) 16-byte halves, side by side */
+#define HALVES_LO(a, b) __builtin_shufflevector(a, b, 0, 1, 4, 5)
+#define HALVES_HI(a, b) __builtin_shufflevector(a, b, 2, 3, 6, 7)
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#endif
+
+#undef UNPACKLO8
+#undef UNPACKHI8
+#undef UNPACKLO16
+#undef UNPACKHI16
+#if WIDE_VECTORS
+#define UNPACKLO8(a, b) WHOLE8(a, b, 0)
+#define UNPACKHI8(a, b) WHOLE8(a, b, 8)
+#define UNPACKLO16(a, b) WHOLE16(a, b, 0)
+#define UNPACKHI16(a, b) WHOLE16(a, b, 4)
+#else
 #define UNPACKLO8(a, b) BY_HALVES(LO8, b16, a, b)
 #define UNPACKHI8(a, b) BY_HALVES(HI8, b16, a, b)
 #define UNPACKLO16(a, b) BY_HALVES(LO16, h8, a, b)
 #define UNPACKHI16(a, b) BY_HALVES(HI16, h8, a, b)
-/* a's and b's low (high) 16-byte halves, side by side */
-#define HALVES_LO(a, b) __builtin_shufflevector(a, b, 0, 1, 4, 5)
-#define HALVES_HI(a, b) __builtin_shufflevector(a, b, 2, 3, 6, 7)
 #endif
 
 /* Bit-unshuffle one block of n elements of ts (2 or 4) bytes (n % 256 == 0) whose bit planes of
  * byte j lie at planes[j] (8 rows of n / 8 bytes), storing them into dst or applying them onto
  * it (op, as in blosc1.c). */
-static void KERNEL(const uint8_t *const planes[4], uint8_t *dst, size_t n, int ts, int op) {
+static inline __attribute__((always_inline)) void CAT(KERNEL, _of)(const uint8_t *const planes[4], uint8_t *dst,
+                                                                  size_t n, const int ts, const int op) {
     const size_t rowlen = n / 8;
     for (size_t g = 0; g < rowlen; g += 32) {
         v4 Y[4][8];
         for (int j = 0; j < ts; j++) {
             v4 *R = Y[j];
-            for (int b = 0; b < 8; b++) memcpy(&R[b], planes[j] + b * rowlen + g, 32);
+            for (int b = 0; b < 8; b++) R[b] = *(const v4u *)(planes[j] + b * rowlen + g);
             /* 8x8 bytes: R[m]'s byte b <- R[b]'s byte m, in every lane */
-            for (int b = 0; b < 4; b++) SWAP(R[b], R[b + 4], 32, (v4){} + 0x00000000FFFFFFFFULL);
-            for (int b = 0; b < 8; b += (b & 1) ? 3 : 1) SWAP(R[b], R[b + 2], 16, (v4){} + 0x0000FFFF0000FFFFULL);
-            for (int b = 0; b < 8; b += 2) SWAP(R[b], R[b + 1], 8, (v4){} + 0x00FF00FF00FF00FFULL);
+            const v4 m32 = (v4){} + 0x00000000FFFFFFFFULL, m16 = (v4){} + 0x0000FFFF0000FFFFULL,
+                     m8 = (v4){} + 0x00FF00FF00FF00FFULL;
+            SWAP(R[0], R[4], 32, m32); SWAP(R[1], R[5], 32, m32); SWAP(R[2], R[6], 32, m32); SWAP(R[3], R[7], 32, m32);
+            SWAP(R[0], R[2], 16, m16); SWAP(R[1], R[3], 16, m16); SWAP(R[4], R[6], 16, m16); SWAP(R[5], R[7], 16, m16);
+            SWAP(R[0], R[1], 8, m8); SWAP(R[2], R[3], 8, m8); SWAP(R[4], R[5], 8, m8); SWAP(R[6], R[7], 8, m8);
             /* 8x8 bits inside each uint64: byte k's bit b <- byte b's bit k */
             for (int m = 0; m < 8; m++) {
                 v4 x = R[m], t;
@@ -86,20 +114,25 @@ static void KERNEL(const uint8_t *const planes[4], uint8_t *dst, size_t n, int t
             }
             for (int l = 0; l < 4; l++) {
                 uint8_t *at = d + (8 * l + m) * 8 * ts;
+                v4u *out = (v4u *)at;
                 if (op == OP_STORE) {
-                    memcpy(at, &V[l], 32);
+                    *out = V[l];
                 } else if (ts == 4) { /* the diff's zigzag: 0, -1, 1, -2, ... <- 0, 1, 2, 3, ... */
-                    v8 z = (v8)V[l], v;
-                    memcpy(&v, at, 32);
-                    v += (z >> 1) ^ -(z & 1);
-                    memcpy(at, &v, 32);
+                    v8 z = (v8)V[l];
+                    *out = (v4)((v8)*out + ((z >> 1) ^ -(z & 1)));
                 } else {
-                    v16 z = (v16)V[l], v;
-                    memcpy(&v, at, 32);
-                    v += (z >> 1) ^ -(z & 1);
-                    memcpy(at, &v, 32);
+                    v16 z = (v16)V[l];
+                    *out = (v4)((v16)*out + ((z >> 1) ^ -(z & 1)));
                 }
             }
         }
     }
+}
+
+/* (each width and op compiled apart: loops over them unrolled, the vectors kept in registers) */
+static void KERNEL(const uint8_t *const planes[4], uint8_t *dst, size_t n, int ts, int op) {
+    if (ts == 4)
+        op == OP_STORE ? CAT(KERNEL, _of)(planes, dst, n, 4, OP_STORE) : CAT(KERNEL, _of)(planes, dst, n, 4, OP_UNZIGZAG_ADD);
+    else
+        op == OP_STORE ? CAT(KERNEL, _of)(planes, dst, n, 2, OP_STORE) : CAT(KERNEL, _of)(planes, dst, n, 2, OP_UNZIGZAG_ADD);
 }
