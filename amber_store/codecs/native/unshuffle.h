@@ -1,13 +1,14 @@
-/* The portable bit-unshuffle of blosc1.c, included once per target it is compiled for (KERNEL names
- * the function): plain C on vectors of four uint64 lanes (GCC/Clang vector extensions), so that
- * the same source runs as AVX2 on x86-64, NEON on aarch64 and SSE2 (or scalar code) elsewhere.
+/* The bit-unshuffle of decode.c's avx2 and portable paths, included once per target it is compiled
+ * for: plain C on vectors of four uint64 lanes (GCC/Clang vector extensions), so that the same
+ * source runs as AVX2 on x86-64, NEON on aarch64 and SSE2 (or scalar code) elsewhere.
  *
  * The includer defines KERNEL and WIDE_VECTORS (1 where a register holds 32 bytes).
  *
  * Per 32 bytes of each of a byte's 8 bit rows (256 elements), every lane takes 8 columns: an 8x8
  * byte transpose across the rows gives, per column, its 8 rows' bytes in one uint64; an 8x8 bit
  * transpose inside it gives byte j of that column's 8 elements; the TS byte planes are then
- * interleaved into elements. Only lane-wise shifts, masks and xors: nothing target-specific. */
+ * interleaved into elements by byte shuffles. Nothing target-specific: the compiler picks the
+ * instructions. */
 
 #ifndef AMBER_V4_DEFINED
 #define AMBER_V4_DEFINED
@@ -71,7 +72,7 @@ typedef uint16_t h8 __attribute__((vector_size(16), aligned(2)));
 
 /* Bit-unshuffle one block of n elements of ts (2 or 4) bytes (n % 256 == 0) whose bit planes of
  * byte j lie at planes[j] (8 rows of n / 8 bytes), storing them into dst or applying them onto
- * it (op, as in blosc1.c). */
+ * it (op, as in decode.h). */
 static inline __attribute__((always_inline)) void CAT(KERNEL, _of)(const uint8_t *const planes[4], uint8_t *dst,
                                                                   size_t n, const int ts, const int op) {
     const size_t rowlen = n / 8;
