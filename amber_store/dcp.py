@@ -272,7 +272,8 @@ class AmberStorageWriter(StorageWriter):
         except (TimeoutError, asyncio.TimeoutError) as e:
             if not deadline.passed():
                 raise  # one request's own timeout
-            raise deadline.missed(f"{held.store.uri}: saving step {decision.step} on rank {rank}", f"stopped at: {e}") from e
+            raise deadline.missed(f"{held.store.uri}: saving step {decision.step} on rank {rank}",
+                                  f"stopped at: {e}") from e
         try:
             fragment = sync(writer.seal_rank(decision, written, rank))
         except BaseException:

@@ -140,8 +140,9 @@ def main() -> None:
     def peer(kind: str) -> str:
         return INTO[0] if kind in INTO else CASES[0]
 
-    flags = (f" --before {args.before}" if args.before else "") + (f" --paths {' '.join(args.paths)}" if args.paths else "") \
-        + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
+    flags = ((f" --before {args.before}" if args.before else "")
+             + (f" --paths {' '.join(args.paths)}" if args.paths else "")
+             + (f" --dtype {args.dtype}" if args.dtype != "float32" else ""))
     print(f"`python benchmarks/cold_load.py --mb {args.mb} --rounds {args.rounds}{flags}`; machine: {machine()}; "
           f"state {args.mb} MiB {args.dtype} (a full step and a delta step apart by a step's update); page cache "
           "warm. \"imports s\": what a load imports beyond torch (amber-store, zarr, ...), paid once by a "

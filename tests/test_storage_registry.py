@@ -24,7 +24,8 @@ class ScratchBackend(LocalBackend):
     (``SCRATCH_ROOT``), as a cluster's storage layer might serve one."""
 
     @classmethod
-    def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any], read_only: bool) -> "ScratchBackend":
+    def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any],
+                 read_only: bool) -> "ScratchBackend":
         return cls(Path(os.environ["SCRATCH_ROOT"]) / (parts.netloc + parts.path), read_only)
 
 
