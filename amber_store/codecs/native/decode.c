@@ -17,8 +17,18 @@
 #include "decode.h"
 #include "lz4.h"
 
+/* unshuffle.h's shuffles need __builtin_shufflevector (GCC 12+, Clang): an older compiler
+ * builds the AVX-512 kernel alone, and c-blosc decodes the rest */
+#ifndef VECTOR_KERNELS
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define VECTOR_KERNELS 1
+#else
+#define VECTOR_KERNELS 0
+#endif
+#endif
+
 const char *const PATH_NAMES[NPATHS] = {"avx512", "avx2", "portable"};
-int runs[NPATHS] = {0, 0, 1};
+int runs[NPATHS] = {0, 0, VECTOR_KERNELS};
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -111,6 +121,7 @@ static void unshuffle_avx512(const uint8_t *const planes[4], uint32_t *dst, size
     }
 }
 
+#if VECTOR_KERNELS
 #define KERNEL unshuffle_avx2
 #define WIDE_VECTORS 1
 #if defined(__clang__)
@@ -126,12 +137,15 @@ static void unshuffle_avx512(const uint8_t *const planes[4], uint32_t *dst, size
 #undef KERNEL
 #undef WIDE_VECTORS
 #endif
+#endif
 
+#if VECTOR_KERNELS
 #define KERNEL unshuffle_portable
 #define WIDE_VECTORS 0
 #include "unshuffle.h"
 #undef KERNEL
 #undef WIDE_VECTORS
+#endif
 
 int path_for(int typesize, int path) {
     if (path >= 0) return path < NPATHS && runs[path] && !(path == PATH_AVX512 && typesize != 4) ? path : -1;
@@ -169,9 +183,14 @@ const char *decode(const header_t *h, const uint8_t *f, size_t len, uint8_t *dst
         switch (path) {
 #if X86
         case PATH_AVX512: unshuffle_avx512(planes, (uint32_t *)out, block / 4, op); break;
+#if VECTOR_KERNELS
         case PATH_AVX2: unshuffle_avx2(planes, out, block / ts, ts, op); break;
 #endif
-        default: unshuffle_portable(planes, out, block / ts, ts, op);
+#endif
+#if VECTOR_KERNELS
+        case PATH_PORTABLE: unshuffle_portable(planes, out, block / ts, ts, op); break;
+#endif
+        default: return "no such path in this build";
         }
     }
     return NULL;
@@ -182,6 +201,6 @@ void decoder_init(void) {
     __builtin_cpu_init();
     runs[PATH_AVX512] = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni");
-    runs[PATH_AVX2] = __builtin_cpu_supports("avx2");
+    runs[PATH_AVX2] = VECTOR_KERNELS && __builtin_cpu_supports("avx2");
 #endif
 }

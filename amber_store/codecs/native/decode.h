@@ -11,7 +11,8 @@
 enum { HEADER = 16, DOSHUFFLE = 0x1, MEMCPYED = 0x2, DOBITSHUFFLE = 0x4, DONT_SPLIT = 0x10, LZ4_FORMAT = 1 };
 enum { OP_STORE = 0, OP_UNZIGZAG_ADD = 1 };
 
-/* The decode paths, fastest first; a CPU runs those its `runs` marks (the portable one always). */
+/* The decode paths, fastest first; a CPU runs those its `runs` marks (the portable one wherever
+ * the compiler built it: GCC 12+ or Clang). */
 enum { PATH_AVX512, PATH_AVX2, PATH_PORTABLE, NPATHS };
 extern const char *const PATH_NAMES[NPATHS];
 extern int runs[NPATHS];
