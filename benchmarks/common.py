@@ -49,17 +49,22 @@ def machine() -> str:
 def decoder() -> str:
     """The native decoder's path for 4- and 2-byte elements (``AMBER_DECODE_PATH`` may force one)
     and the CPU flags that choose it."""
-    from pathlib import Path
-
     from amber_store.codecs.compression import decode_paths
 
-    flags = set()
-    if Path("/proc/cpuinfo").exists():
-        flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith(("flags", "Features"))), []))
+    flags = cpu_flags()
     shown = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vbmi", "gfni", "asimd", "sve") if f in flags]
     paths = decode_paths()
     return f"decode path fp32 {paths[4]}, bf16/fp16 {paths[2]} (CPU flags: {' '.join(shown) or 'none of note'})"
+
+
+def cpu_flags() -> set[str]:
+    """The first CPU's feature flags as Linux lists them (x86 ``flags``, ARM ``Features``; empty
+    elsewhere)."""
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith(("flags", "Features"))), []))
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -18,6 +18,7 @@ import torch
 
 import amber_store as amber
 from amber_store.codecs import Compression, DiffDeltaCodec, compression, decompress, fuses
+from benchmarks.common import cpu_flags
 from conftest import assert_tree_bit_equal
 
 native = compression._blosc1
@@ -68,10 +69,7 @@ SIZES = [4096, 1 << 18, 1 << 20, 3 << 18]
 def test_the_paths_it_runs_are_those_this_cpu_has():
     if native is None:
         pytest.skip("the native decoder is not built (no C compiler at install)")
-    flags = set()
-    if Path("/proc/cpuinfo").exists():
-        flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith("flags")), []))
+    flags = cpu_flags()
     want = ["portable"]
     if platform.machine() in ("x86_64", "AMD64"):
         want = (["avx512"] if {"avx512f", "avx512bw", "avx512vbmi", "gfni"} <= flags else []) \
