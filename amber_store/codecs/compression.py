@@ -141,11 +141,7 @@ def fuses(stored: Any, out: np.ndarray, op: str = "store") -> bool:
 def decode_paths() -> dict[int, str]:
     """The path that decodes chunks of each element width (bytes) the native decoder takes on this
     machine: ``avx512``, ``avx2``, ``portable`` (NEON on aarch64) or ``c-blosc``."""
-    def path(ts: int) -> str:
-        takes = [p for p in ((_PATH,) if _PATH else _blosc1.paths if _blosc1 else ()) if ts == 4 or p != "avx512"]
-        return takes[0] if takes else "c-blosc"
-
-    return {ts: path(ts) for ts in (2, 4)}
+    return {ts: (_blosc1.path_for(ts, _PATH) if _blosc1 else None) or "c-blosc" for ts in (2, 4)}
 
 
 def decompress(stored: Any, out: np.ndarray | None = None, op: str = "store") -> np.ndarray | None:

@@ -30,6 +30,16 @@ static PyObject *py_takes(PyObject *self, PyObject *args, PyObject *kwargs) {
     return PyBool_FromLong(ok);
 }
 
+static PyObject *py_path_for(PyObject *self, PyObject *args) {
+    int typesize;
+    const char *name = NULL;
+    if (!PyArg_ParseTuple(args, "i|z", &typesize, &name)) return NULL;
+    const int named = path_named(name);
+    const int path = named > -2 ? path_for(typesize, named) : -1;
+    if (path < 0) Py_RETURN_NONE;
+    return PyUnicode_FromString(PATH_NAMES[path]);
+}
+
 static PyObject *py_decode(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"frame", "out", "op", "path", NULL};
     Py_buffer frame, out;
@@ -74,6 +84,9 @@ static PyMethodDef methods[] = {
      "takes(frame, nbytes, typesize=0, path=None) -> bool: whether decode() takes this frame for an "
      "output of nbytes (2- or 4-byte elements, typesize of them unless 0, bit-shuffled, lz4), by "
      "`path` (None: any this CPU runs)."},
+    {"path_for", py_path_for, METH_VARARGS,
+     "path_for(typesize, path=None) -> str | None: the path that decodes elements of typesize bytes "
+     "(`path`: that one, if it can), or None."},
     {"decode", (PyCFunction)(void (*)(void))py_decode, METH_VARARGS | METH_KEYWORDS,
      "decode(frame, out, op, path=None): decode the frame into the writable contiguous buffer out, "
      "op 0 storing the elements, op 1 adding their zigzag decoding (modulo the element's width) to "
