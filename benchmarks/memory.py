@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine, table  # noqa: E402
+from benchmarks.common import machine, rotated, table  # noqa: E402
 
 SAVES = ["torch.save", "safetensors", "dcp.save", "dcp.async_save",
          "save (spill)", "save (memory)", "save (none)", "delta save, fresh process (spill)",
@@ -399,8 +399,7 @@ def save_times(params: float, saves: int, root: Path) -> str:
             advance(step + 10)
         kind = "full" if step % 4 == 0 else "delta"
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        order = [*modes, "torch.save"]
-        for who in order[step % len(order):] + order[:step % len(order)]:
+        for who in rotated([*modes, "torch.save"], step):
             t0 = time.perf_counter()
             if who == "torch.save":
                 torch.save(state, root / "times.pt")
