@@ -56,8 +56,8 @@ def _history(args: argparse.Namespace) -> Any:
 
 
 def _sync(coro: Any) -> Any:
-    """Run a coroutine on zarr's event loop (imported here: ``--help`` needs no zarr)."""
-    from zarr.core.sync import sync
+    """Run a coroutine on amber-store's event loop."""
+    from .runtime import sync
 
     return sync(coro)
 

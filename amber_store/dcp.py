@@ -68,7 +68,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from zarr.core.sync import sync
 
 from . import format as fmt
 from . import shards
@@ -78,7 +77,7 @@ from .format import Manifest
 from .lazy import LazyTensor
 from .options import Options
 from .reader import ReadSession
-from .runtime import gather
+from .runtime import gather, sync
 from .bases import BaseCache, Bits
 from .stepwriter import Written
 from .store import Store, check_metrics, open

@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from zarr.core.sync import sync
 
 from .errors import CorruptDataError
 from .format import DTYPES, TensorEntry, bits_to_numpy, itemsize, round_up, to_bits
 from .reader import ReadSession
-from .runtime import gather, shared_pool
+from .runtime import gather, shared_pool, sync
 
 if TYPE_CHECKING:
     from .reader import Reader

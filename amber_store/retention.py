@@ -30,13 +30,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 import torch
-from zarr.core.sync import sync
 
 from . import format as fmt
 from .format import Manifest
 from .errors import StorageAccessError
 from .history import GRACE_SECONDS, GROUP_NAME, History
-from .runtime import gather
+from .runtime import gather, sync
 from .storage import storage_errors
 
 if TYPE_CHECKING:

@@ -1,8 +1,11 @@
-"""Where work runs: zarr's event loop (every storage call), the process's thread pools (codecs,
-step writers, snapshot copies, host transfers), and waits on them that stay interruptible.
+"""Where work runs: the process's event loop (every storage call, on a thread of its own), its
+thread pools (codecs, step writers, snapshot copies, host transfers), and waits on them that
+stay interruptible.
 
-Pools are made at first use and shared by every store of the process: their sizes are facts
-of the machine, not of one store.
+The loop and the pools are made at first use and shared by every store of the process: their
+sizes are facts of the machine, not of one store. The loop is amber-store's own, not zarr's
+(``zarr.core.sync``), so that a load imports no zarr (~0.2 s of a fresh process's resume); zarr's
+async API runs on it like any other coroutine.
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any, Iterable, TypeVar
 
-from zarr.core.sync import sync
-
 T = TypeVar("T")
 
 #: threads of :func:`codec_pool`: one per core
@@ -29,13 +30,43 @@ _POOLS: dict[str, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-async def _running_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.get_running_loop()
+_LOOP: list[asyncio.AbstractEventLoop] = []
+_LOOP_LOCK = threading.Lock()
 
 
 def event_loop() -> asyncio.AbstractEventLoop:
-    """zarr's event loop (a thread of its own), on which every storage call runs."""
-    return sync(_running_loop())
+    """The process's event loop (a daemon thread of its own), on which every storage call runs."""
+    if not _LOOP:
+        with _LOOP_LOCK:
+            if not _LOOP:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="amber-io", daemon=True).start()
+                _LOOP.append(loop)
+    return _LOOP[0]
+
+
+def _forget_after_fork() -> None:
+    # (a forked child has the parent's loop object but not its thread: it makes its own, and its
+    # own pools, whose threads did not survive the fork either)
+    _LOOP.clear()
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on :func:`event_loop` and wait for its result (the sync face of the async
+    core: :class:`~amber_store.store.Store`, the DCP adapters, the CLI)."""
+    loop = event_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        coro.close()
+        raise RuntimeError("sync() called on amber-store's event loop itself: await the coroutine instead")
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
 
 #: how long an interrupted call waits for its own cleanup (a save deleting its attempt), and
@@ -45,7 +76,7 @@ IMPATIENT_SECONDS = 2.0
 
 
 def interruptible(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on zarr's event loop and wait for it, like zarr's ``sync``, but cancel it
+    """Run ``coro`` on the event loop and wait for it, like :func:`sync`, but cancel it
     when the wait is interrupted (KeyboardInterrupt) and let it clean up before the interrupt
     goes on: a save interrupted before its commit began is never committed behind the caller's
     back, and its data is gone (one interrupted during its commit, milliseconds, is committed).

@@ -7,7 +7,7 @@ the base, checksummed and compressed on :func:`~amber_store.runtime.codec_pool`'
 release the GIL), straight from the tensor's memory into reused buffers. Deltas of tensors on an
 accelerator, lossless or lossy, are computed there with torch; what crosses to the host (the
 delta, and the reconstruction kept as the next save's base) lands in pinned memory
-(:func:`~amber_store.codecs.to_host`), at the link's speed. Objects are written on zarr's event loop
+(:func:`~amber_store.codecs.to_host`), at the link's speed. Objects are written on the event loop
 while the next tensors encode, at most ``max_inflight_bytes`` of them at once.
 """
 

@@ -24,7 +24,6 @@ from typing import Any, Callable, Literal
 import torch
 from tqdm.auto import tqdm
 from zarr.abc.store import Store as ZarrStore
-from zarr.core.sync import sync
 
 from . import format as fmt
 from . import export as export_
@@ -38,7 +37,7 @@ from .background import Background
 from .lazy import LazyStateDict, LazyTensor, destinations, materialize
 from .reader import Reader, ReadSession
 from .retention import GCReport
-from .runtime import gather, interruptible, return_free_memory
+from .runtime import gather, interruptible, return_free_memory, sync
 from .snapshot import Snapshots
 from .storage import Backend, connect, is_storage_error, storage_errors
 from .storage.zarrstore import ZarrStoreBackend

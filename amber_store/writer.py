@@ -32,7 +32,6 @@ from typing import Any, Callable
 import crc32c
 import torch
 from tqdm.auto import tqdm
-from zarr.core.sync import sync
 
 from . import format as fmt
 from .bases import BaseCache, Keeper, Stored
@@ -42,7 +41,7 @@ from .format import Manifest, TensorEntry
 from .history import PARENTS, History, json_bytes, next_segment, parent_policies, parent_policy, step_base
 from .options import Options
 from .reader import Reader, ReadSession
-from .runtime import finish, gather, writer_pool
+from .runtime import finish, gather, sync, writer_pool
 from .stepwriter import Base, StepWriter, Written
 from .storage import is_storage_error
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from zarr.core.sync import sync  # noqa: E402
+from amber_store.runtime import sync  # noqa: E402
 
 import amber_store as amber  # noqa: E402
 from backends.process import free_port  # noqa: E402

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from zarr.core.sync import sync
+from amber_store.runtime import sync
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

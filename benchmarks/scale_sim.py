@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType  # noqa: E402
 from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
-from zarr.core.sync import sync  # noqa: E402
+from amber_store.runtime import sync  # noqa: E402
 
 import amber_store as amber  # noqa: E402
 from amber_store import format as fmt  # noqa: E402

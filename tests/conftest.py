@@ -237,9 +237,17 @@ def is_data_key(key: str) -> bool:
 
 def all_keys(store: amber.Store, prefix: str = "") -> list[str]:
     """Every key of a store's location below ``prefix``."""
-    from zarr.core.sync import collect_aiterator
+    return collect(store.history.backend.list_prefix(prefix))
 
-    return list(collect_aiterator(store.history.backend.list_prefix(prefix)))
+
+def collect(names: Any) -> list[str]:
+    """An async iterator's items (a backend's listing), collected on amber-store's event loop."""
+    from amber_store.runtime import sync
+
+    async def listed() -> list[str]:
+        return [n async for n in names]
+
+    return sync(listed())
 
 
 def stored_chunk(root: Any, store: amber.Store, step: int, key: str) -> tuple[Any, int, int]:

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 from zarr.core.buffer import Buffer
-from zarr.core.sync import sync
+from amber_store.runtime import sync
 from zarr.storage import LocalStore, WrapperStore
 
 import amber_store as amber
@@ -416,7 +416,7 @@ def test_a_commit_by_another_writer_during_a_save_aborts_that_save(make_store, m
 def test_commit_objects_are_created_exclusively_under_racing_writers(make_store):
     from concurrent.futures import ThreadPoolExecutor
 
-    from zarr.core.sync import sync
+    from amber_store.runtime import sync
 
     store = make_store()
     with ThreadPoolExecutor(8) as pool:

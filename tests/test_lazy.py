@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from zarr.abc.store import RangeByteRequest
-from zarr.core.sync import sync
+from amber_store.runtime import sync
 from zarr.storage import LocalStore
 
 import amber_store as amber

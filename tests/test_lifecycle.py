@@ -233,7 +233,7 @@ class FullDisk(WrapperStore):
 
 
 def test_gc_on_a_full_disk_deletes_what_no_fold_reads_first_and_says_when_a_fold_cannot_fit(tmp_path):
-    from zarr.core.sync import sync
+    from amber_store.runtime import sync
 
     disk = FullDisk(LocalStore(tmp_path / "ckpt"))
     store = amber.open(disk, full_every=3, base_policy="chain", pack_threshold=0)

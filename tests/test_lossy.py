@@ -11,7 +11,7 @@ import torch
 from zarr.core.array_spec import ArrayConfig, ArraySpec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
-from zarr.core.sync import sync
+from amber_store.runtime import sync
 
 import amber_store as amber
 from amber_store import codecs as amber_codecs

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from zarr.core.sync import sync
+from amber_store.runtime import sync
 
 import amber_store as amber
 from amber_store.cli import main as cli

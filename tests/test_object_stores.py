@@ -22,7 +22,7 @@ import pytest
 import amber_store as amber
 from amber_store import stepwriter
 from backends.process import free_port
-from conftest import OBJECT_STORES, assert_bit_equal, assert_tree_bit_equal, layer_state, save_at_once, store_uri
+from conftest import OBJECT_STORES, assert_bit_equal, collect, assert_tree_bit_equal, layer_state, save_at_once, store_uri
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def test_racing_writers_commit_exactly_one_and_the_loser_gets_concurrent_writer_
 
 def test_the_commit_is_a_create_that_fails_when_the_object_exists(object_server):
     backend = amber.open(store_uri(object_server), object_server.storage_options()).history.backend
-    from zarr.core.sync import sync
+    from amber_store.runtime import sync
 
     assert sync(backend.put_if_absent("commits/x.json", b"first")) is True
     assert sync(backend.put_if_absent("commits/x.json", b"second")) is False
@@ -201,9 +201,8 @@ def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_s
     with pytest.raises(amber.StorageAccessError):
         store.save(2, layer_state(2))
     monkeypatch.undo()
-    from zarr.core.sync import collect_aiterator
 
-    groups = list(collect_aiterator(store.history.backend.list_dir("steps")))
+    groups = collect(store.history.backend.list_dir("steps"))
     assert len([g for g in groups if g != "zarr.json"]) == 2  # step 1's and the orphaned attempt of step 2
     reader = amber.open(uri, opts, mode="r")
     assert reader.steps() == [1]
@@ -215,7 +214,7 @@ def test_a_step_with_data_but_no_manifest_is_invisible_and_ignored_by_the_next_s
 
 
 def test_flipped_bytes_in_one_object_are_detected_with_step_and_tensor(object_server):
-    from zarr.core.sync import sync
+    from amber_store.runtime import sync
 
     from amber_store import format as fmt
 

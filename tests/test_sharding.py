@@ -17,7 +17,7 @@ from amber_store import validation
 from amber_store.errors import CorruptDataError
 from amber_store.format import TensorEntry, fragments, sharding
 from conftest import CountingStore
-from zarr.core.sync import sync
+from amber_store.runtime import sync
 from zarr.storage import LocalStore
 
 DATA = Path(__file__).parent / "data"

@@ -333,7 +333,7 @@ def test_a_fuzz_of_real_manifests_ends_each_load_bit_exact_or_in_an_amber_error_
 
 @pytest.mark.s3
 def test_a_cancelled_upload_in_parts_is_aborted_and_a_killed_ones_are_reported_and_removed_by_gc(s3_server, capsys):
-    from zarr.core.sync import sync
+    from amber_store.runtime import sync
 
     from amber_store.cli import main as cli
     from amber_store.storage import s3_obstore
@@ -437,6 +437,6 @@ def test_a_commit_without_an_answer_is_settled_by_the_next_save_so_a_late_landin
 
 
 def sync_put(put, key: str, data: bytes) -> bool:
-    from zarr.core.sync import sync
+    from amber_store.runtime import sync
 
     return sync(put(key, data))

@@ -45,11 +45,11 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.components.checkpointer.dcp import CheckpointManager as DCPCheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
-from zarr.core.sync import sync
 
 from .. import dcp
 from ..errors import NotAnAmberStoreError, StepNotFoundError, UnsafeValueError
 from ..manager import _together
+from ..runtime import sync
 from ..store import open as open_store
 
 __all__ = ["CheckpointManager"]

@@ -19,9 +19,9 @@ from contextlib import suppress
 from typing import Any
 from urllib.parse import SplitResult
 
-from zarr.core.sync import sync
 
 from ..errors import InvalidURIError
+from ..runtime import sync
 from .objectstore import FRESH, FsspecObjectStoreBackend
 
 #: per-request bounds (seconds) unless the options name them: a server that stops answering

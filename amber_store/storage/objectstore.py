@@ -19,10 +19,10 @@ from urllib.parse import SplitResult
 
 from zarr.abc.store import ByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
-from zarr.core.sync import sync
 from zarr.storage import FsspecStore
 
 from ..errors import InvalidURIError, StorageAccessError, UnsafeStorageError
+from ..runtime import sync
 from .base import Backend, reason
 
 #: Bound on a commit (its listing and conditional create) and on other metadata writes outside

@@ -12,9 +12,9 @@ from importlib.metadata import entry_points
 from typing import Any, Union
 from urllib.parse import urlsplit
 
-from zarr.core.sync import sync
 
 from ..errors import InvalidURIError
+from ..runtime import sync
 from .base import Backend
 
 #: URI scheme -> its backend: a class, or ``module:class`` imported when first used (as fsspec's
