@@ -674,7 +674,7 @@ class AmberStorageReader(StorageReader):
             raise CorruptDataError(f"{store.uri}: step {step}: DCP metadata is missing", step=step,
                                    tensor="dcp.metadata")
         try:
-            return _MetadataUnpickler(io.BytesIO(raw.to_bytes())).load()
+            return _MetadataUnpickler(io.BytesIO(raw.tobytes())).load()
         except Exception as e:  # a refused global, or bytes that are no pickle
             raise CorruptDataError(f"{store.uri}: step {step}: its DCP metadata ({dcp_info['metadata']}) is not "
                                    f"DCP metadata that reads without running code ({type(e).__name__}: {e})",

@@ -138,7 +138,7 @@ class History:
         raw = await self.backend.get("zarr.json")
         if raw is None:
             return None
-        attrs = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR)
+        attrs = json.loads(raw.tobytes()).get("attributes", {}).get(fmt.ROOT_ATTR)
         if not isinstance(attrs, dict) or attrs.get("format") != fmt.FORMAT_NAME:
             raise NotAnAmberStoreError(f"{self.uri}: holds a zarr hierarchy that is not an amber-store")
         version = attrs.get("format_version")
@@ -309,7 +309,7 @@ class History:
         where = f"{self.uri}: step {m.step}: fragment {info['key']}"
         if raw is None:
             raise CorruptDataError(f"{where} is missing", step=m.step)
-        data = raw.to_bytes()
+        data = raw.tobytes()
         if len(data) != info["nbytes"] or crc32c.crc32c(data) != info["crc32c"]:
             raise CorruptDataError(f"{where} is damaged ({len(data)} bytes, checksum differs from the index's)",
                                    step=m.step)
@@ -337,7 +337,7 @@ class History:
             known = await self.steps()
             hint = f"committed steps: {known[:5]}{'...' if len(known) > 5 else ''}" if known else "the store is empty"
             raise StepNotFoundError(f"{self.uri}: step {step} is not committed ({hint})")
-        m = self._parse(step, raw.to_bytes())
+        m = self._parse(step, raw.tobytes())
         self._fit_cache(m)
         return m
 
@@ -522,7 +522,7 @@ class History:
             if await self.backend.put_if_absent(key, json_bytes(mine)):
                 return
             raw = await self.backend.get(key)
-            other = _claim_of(raw.to_bytes()) if raw is not None else None
+            other = _claim_of(raw.tobytes()) if raw is not None else None
             if other is None or other["attempt"] == manifest.attempt:
                 return  # (our own, its answer lost and the request retried; or unreadable: the commit decides)
             # (this writer's own earlier claim: a commit that failed or lost its answer; one
@@ -549,7 +549,7 @@ class History:
             if found is None or (found.group(1) != "start" and int(found.group(1)) >= steps[-1]):
                 continue
             raw = await self.backend.get(f"{fmt.CLAIMS_DIR}/{name}")
-            claim = _claim_of(raw.to_bytes()) if raw is not None else None
+            claim = _claim_of(raw.tobytes()) if raw is not None else None
             if raw is not None and (claim is None or time.time() - claim["time"] > CLAIM_GRACE_SECONDS):
                 spent.append(f"{fmt.CLAIMS_DIR}/{name}")
         return sorted(spent)
@@ -565,7 +565,7 @@ class History:
         """Whether an existing commit object is this very attempt (a retried request that had
         in fact succeeded before its connection failed)."""
         raw = await self.backend.get(key)
-        return raw is not None and self._parse(manifest.step, raw.to_bytes()).attempt == manifest.attempt
+        return raw is not None and self._parse(manifest.step, raw.tobytes()).attempt == manifest.attempt
 
     async def check_sole_writer(self, latest: int | None) -> None:
         """Refuse to save once another writer has committed after this one.
@@ -716,13 +716,13 @@ class History:
         raw = await self.backend.get(f"{group}/zarr.json")
         if raw is None:
             return None
-        created = json.loads(raw.to_bytes()).get("attributes", {}).get(fmt.ROOT_ATTR, {}).get("created")
+        created = json.loads(raw.tobytes()).get("attributes", {}).get(fmt.ROOT_ATTR, {}).get("created")
         return float(created) if isinstance(created, (int, float)) else False
 
     async def attempt_bytes(self, group: str) -> int:
         """Bytes stored under an attempt group."""
         with storage_errors(self.uri, f"sizing {group}"):
-            return sum([await self.backend.store.getsize(k) async for k in self.backend.list_prefix(f"{group}/")])
+            return (await self.backend.footprint(f"{group}/"))["bytes"]
 
     # --- pins ---------------------------------------------------------------------------
 
@@ -732,7 +732,7 @@ class History:
             if name.endswith(".json"):
                 raw = await self.backend.get(f"{PINS_DIR}/{name}")
                 if raw is not None:
-                    out[name[: -len(".json")]] = int(json.loads(raw.to_bytes())["step"])
+                    out[name[: -len(".json")]] = int(json.loads(raw.tobytes())["step"])
         return out
 
     async def pin(self, step: int, name: str) -> None:

@@ -17,10 +17,8 @@ from typing import Any
 
 import crc32c
 import numpy as np
-from zarr.abc.store import RangeByteRequest
 
 from . import format as fmt
-from . import legacy
 from .codecs import DELTA_ENCODINGS, decompress, fuses, scratch
 from .errors import CorruptDataError, StepNotFoundError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
@@ -35,7 +33,7 @@ _POPULATE_BYTES = 1 << 20
 
 #: A whole-step read fetches each object up to this size with one request; a bigger one is
 #: range-read chunk by chunk, so that its chunks arrive (and decode) concurrently, as s3fs would
-#: fetch a big object (:class:`amber_store.storage.objectstore.WholeObjectStore`).
+#: fetch a big object (:class:`amber_store.storage.fsspecstore.WholeObjectStore`).
 WHOLE_OBJECT_BYTES = 64 << 20
 
 
@@ -56,7 +54,7 @@ class Reader:
     def __init__(self, history: History, *, verify: bool = True) -> None:
         self.history = history
         self.verify = verify
-        self._legacy = legacy.LegacyReader(history)
+        self._legacy: Any = None  # (a LegacyReader, made for the first step of format 1-2: it imports zarr)
 
     def _corrupt(self, step: int, key: str, what: str, chunk: tuple[int, ...] | None = None) -> CorruptDataError:
         return CorruptDataError.at(self.history.uri, step, key, what, chunk)
@@ -102,6 +100,10 @@ class Reader:
             raise ValueError(f"out must be a writable C-contiguous {dtype} array of shape {rshape}, "
                              f"not {out.dtype} {out.shape}")
         if any(le.legacy for _, le in layers):  # (a step folded by gc may mix both layouts)
+            if self._legacy is None:
+                from .legacy import LegacyReader
+
+                self._legacy = LegacyReader(self.history)
             out[...] = await self._legacy.read(step, key, region, check)
             return out
         if out.size == 0:
@@ -130,7 +132,7 @@ class Reader:
         raw = await self.history.backend.get(fmt.shard_key(entry.array, len(entry.shape)))
         if raw is None:
             raise self._corrupt(step, key, f"object of array {entry.array} is missing")
-        return raw.as_numpy_array()
+        return raw
 
     async def _chunk(self, step: int, key: str, e: TensorEntry, layers: list[tuple[int, TensorEntry]],
                      objects: list[Any] | None, flat: int, idx: tuple[int, ...], target: np.ndarray,
@@ -145,10 +147,10 @@ class Reader:
                 return objects[i][loc[0]: loc[0] + loc[1]]
             assert le.array is not None
             raw = await self.history.backend.get(fmt.shard_key(le.array, len(le.shape)),
-                                                 RangeByteRequest(loc[0], loc[0] + loc[1]))
+                                                 (loc[0], loc[0] + loc[1]))
             if raw is None:
                 raise self._corrupt(s, key, f"object of array {le.array} is missing", idx)
-            return raw.as_numpy_array()
+            return raw
 
         payloads = await gather(stored(i) for i in range(len(layers)))
         flat_target = target.reshape(-1) if target.flags.c_contiguous else None
@@ -276,10 +278,10 @@ class Reader:
         index = info["index"][first:stop]
         lo, hi = index[0][0], index[-1][0] + index[-1][1]
         whole = first == 0 and stop == len(info["index"])
-        raw = await self.history.backend.get(fmt.shard_key(info["array"], 1), None if whole else RangeByteRequest(lo, hi))
+        raw = await self.history.backend.get(fmt.shard_key(info["array"], 1), None if whole else (lo, hi))
         if raw is None:
             return None, set()
-        data = raw.as_numpy_array()
+        data = raw
         size = info["chunk"]
         out = fmt.host_empty((stop - first) * size, np.uint8)
         failed: set[int] = set()

@@ -107,9 +107,20 @@ def interruptible(coro: Coroutine[Any, Any, T]) -> T:
         loop.call_soon_threadsafe(start)
         return outcome.result()
     except BaseException:
-        loop.call_soon_threadsafe(cancel)
+        _hand_over(loop, cancel)
         _await_cleanup(finished, task)
         raise
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, cancel: Any) -> None:
+    """Hand ``cancel`` over to the loop, again if another interrupt lands meanwhile (a cancel
+    that runs twice does nothing more), so that it never escapes before the cleanup wait."""
+    while True:
+        try:
+            loop.call_soon_threadsafe(cancel)
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def _settle(outcome: Future[T], task: asyncio.Task[T]) -> None:

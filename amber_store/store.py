@@ -19,30 +19,31 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from tqdm.auto import tqdm
-from zarr.abc.store import Store as ZarrStore
 
 from . import format as fmt
-from . import export as export_
-from . import retention
 from . import shards, validation
-from .errors import (AmberError, CorruptDataError, NotAnAmberStoreError, StateMismatchError, StepNotFoundError,
-                     StepOrderError, StorageAccessError, warn)
+from .errors import (AmberError, CorruptDataError, InvalidURIError, NotAnAmberStoreError, StateMismatchError,
+                     StepNotFoundError, StepOrderError, StorageAccessError, warn)
 from .format import Manifest
 from .history import GRACE_SECONDS, History
 from .background import Background
 from .lazy import LazyStateDict, LazyTensor, destinations, materialize
 from .reader import Reader, ReadSession
-from .retention import GCReport
 from .runtime import gather, interruptible, return_free_memory, sync
 from .snapshot import Snapshots
 from .storage import Backend, connect, is_storage_error, storage_errors
-from .storage.zarrstore import ZarrStoreBackend
 from .options import Options
 from .writer import Writer
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store as ZarrStore
+
+    from . import retention
+    from .retention import GCReport
 
 Mode = Literal["r", "a", "w"]
 #: save_async warns (once) when back-pressure has held training up for more than this share of
@@ -288,6 +289,8 @@ class Store:
         no other process saves or reads.
         """
         self._require_writable()
+        from . import retention  # (the write side is imported when used: a load needs none of it)
+
         rules = retention.policy(keep_last, keep_every)
         if policy is not None:
             rules = policy if rules is None else retention.AnyOf(rules, policy)
@@ -304,6 +307,8 @@ class Store:
         if pinned:
             raise AmberError(f"{self.uri}: step {step} is pinned ({', '.join(pinned)}); unpin it first")
         steps = self.steps()
+        from . import retention
+
         report = retention.remove(self.writer, [s for s in steps if s != step], steps, dry_run=dry_run)
         if not dry_run and self.history.last_commit == step:
             self.history.last_commit = None  # this writer's newest step is gone: it may go on
@@ -327,6 +332,8 @@ class Store:
                subtree: str | None = None) -> Any:
         """Write ``step`` as a safetensors or ``torch.save`` file (format from the suffix);
         see :func:`amber_store.export.export`."""
+        from . import export as export_
+
         return export_.export(self.load(step), step, path, format=format, subtree=subtree)  # type: ignore[arg-type]
 
     def import_checkpoint(self, step: int, path: str | os.PathLike[str], *, format: str | None = None,
@@ -337,6 +344,8 @@ class Store:
         (``FileSystemWriter``'s), which becomes a sharded step (see
         :func:`amber_store.dcp.import_checkpoint`)."""
         if not os.path.isdir(path):
+            from . import export as export_
+
             return self.save(step, export_.read(path, format=format, subtree=subtree), full=True)  # type: ignore[arg-type]
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise NotAnAmberStoreError(f"{path}: a directory without DCP's .metadata; import reads a torch.save or "
@@ -539,9 +548,20 @@ def open(
     if mode not in ("r", "a", "w"):
         raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")
     try:
-        backend = ZarrStoreBackend(uri) if isinstance(uri, ZarrStore) else connect(uri, storage_options,
-                                                                                    read_only=mode == "r")
+        backend = connect(uri, storage_options, read_only=mode == "r") if isinstance(uri, (str, os.PathLike)) \
+            else _zarr_store_backend(uri)
         return Store(backend, mode=mode, **options)
     except AmberError as e:
-        # the message says what is wrong; the frames of zarr's sync machinery beneath it do not
+        # the message says what is wrong; the frames of the sync machinery beneath it do not
         raise e.with_traceback(None)
+
+
+def _zarr_store_backend(store: Any) -> Backend:
+    """The backend of a zarr store object handed to :func:`open` (zarr imported only then)."""
+    from zarr.abc.store import Store as ZarrStore
+
+    from .storage.zarrstore import ZarrStoreBackend
+
+    if not isinstance(store, ZarrStore):
+        raise InvalidURIError(f"{store!r}: give a path, a URI or a zarr store, not a {type(store).__name__}")
+    return ZarrStoreBackend(store)

@@ -216,7 +216,7 @@ def count_metadata_reads(backend: Any) -> list[int]:
     async def get(key: str, byte_range: Any = None) -> Any:
         got = await real(key, byte_range)
         if got is not None and (key.startswith("commits/") or is_metadata(key)):
-            total[0] += len(got.to_bytes())
+            total[0] += got.nbytes
         return got
 
     backend.get = get

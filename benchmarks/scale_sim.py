@@ -174,7 +174,7 @@ class Counting:
         async def get(key: str, byte_range: Any = None) -> Any:
             got = await real(key, byte_range)
             self.requests += 1
-            self.bytes += 0 if got is None else len(got.to_bytes())
+            self.bytes += 0 if got is None else got.nbytes
             return got
 
         backend.get = get

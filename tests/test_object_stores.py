@@ -157,7 +157,7 @@ def test_the_commit_is_a_create_that_fails_when_the_object_exists(object_server)
 
     assert sync(backend.put_if_absent("commits/x.json", b"first")) is True
     assert sync(backend.put_if_absent("commits/x.json", b"second")) is False
-    assert sync(backend.get("commits/x.json")).to_bytes() == b"first"
+    assert sync(backend.get("commits/x.json")).tobytes() == b"first"
 
 
 def test_a_commit_to_a_server_that_stops_answering_fails_in_bounded_time_and_the_next_save_goes_on(
@@ -223,7 +223,7 @@ def test_flipped_bytes_in_one_object_are_detected_with_step_and_tensor(object_se
     store.save(1, layer_state(1))
     entry = store.manifest(1).tensors["layer2"]
     key = fmt.shard_key(entry.array, len(entry.shape))
-    data = bytearray(sync(store.history.backend.get(key)).to_bytes())
+    data = bytearray(sync(store.history.backend.get(key)).tobytes())
     data[40] ^= 0xFF
     sync(store.history.backend.put_object(key, [bytes(data)]))
     reader = amber.open(uri, opts, mode="r")

@@ -43,7 +43,6 @@ import threading
 
 import numpy as np
 import zstandard
-from numcodecs import zstd
 
 
 def ans_encode(codes: np.ndarray) -> bytes:
@@ -100,7 +99,7 @@ _NIBBLE_ESCAPE = -8
 #: matches of 7 bytes at least, within 128 KiB (measured, see above)
 _NIBBLES_ZSTD = zstandard.ZstdCompressionParameters(window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
                                                     target_length=0, strategy=zstandard.STRATEGY_FAST)
-_compressors = threading.local()  # (a compressor is not for two threads at once)
+_compressors = threading.local()  # (a compressor, or decompressor, is not for two threads at once)
 
 
 def _nibbles_frame(packed: np.ndarray) -> bytes:
@@ -109,6 +108,23 @@ def _nibbles_frame(packed: np.ndarray) -> bytes:
     if compressor is None:
         compressor = _compressors.nibbles = zstandard.ZstdCompressor(compression_params=_NIBBLES_ZSTD)
     return compressor.compress(packed)
+
+
+def _unnibbles(frame: np.ndarray, size: int) -> np.ndarray:
+    """The ``size`` bytes of :func:`_nibbles_frame`'s ``frame``; a frame that declares another
+    size is refused before anything is allocated for it (a store is untrusted input)."""
+    try:
+        if zstandard.frame_content_size(frame) != size:
+            raise ValueError("malformed entropy-coded codes")
+        decompressor = getattr(_compressors, "unnibbles", None)
+        if decompressor is None:
+            decompressor = _compressors.unnibbles = zstandard.ZstdDecompressor()
+        packed = np.frombuffer(decompressor.decompress(frame), np.uint8)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"malformed entropy-coded codes ({e})") from e
+    if packed.size != size:
+        raise ValueError("malformed entropy-coded codes")
+    return packed
 
 
 def encode_codes(codes: np.ndarray) -> bytes:
@@ -205,12 +221,7 @@ def _nibbles_decode(raw: np.ndarray, n: int) -> tuple[np.ndarray, int]:
     at += 4
     if raw.size < at + size:
         raise ValueError("truncated entropy-coded codes")
-    try:
-        packed = np.frombuffer(zstd.decompress(raw[at: at + size]), np.uint8)
-    except RuntimeError as e:
-        raise ValueError(f"malformed entropy-coded codes ({e})") from e
-    if packed.size != (n + 1) // 2:
-        raise ValueError("malformed entropy-coded codes")
+    packed = _unnibbles(raw[at: at + size], (n + 1) // 2)
     codes = np.empty(2 * packed.size, np.int8)
     codes[0::2] = (packed << 4).view(np.int8) >> 4  # (arithmetic shifts: 4-bit two's complement)
     codes[1::2] = packed.view(np.int8) >> 4

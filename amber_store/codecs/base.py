@@ -1,5 +1,6 @@
-"""The codec contract: :class:`DeltaCodec`, what every delta codec is (a zarr v3 array-to-array
-codec whose configuration round-trips), and :class:`Delta`, what its ``diff`` produces.
+"""The codec contract: :class:`DeltaCodec`, what every delta codec is (its configuration
+round-trips through zarr v3 codec metadata; :mod:`~.zarr_codecs` makes it a zarr codec for
+zarr's readers), and :class:`Delta`, what its ``diff`` produces.
 
 A codec implements :meth:`DeltaCodec.diff` (the writer's side, on the tensor's device) and
 :meth:`DeltaCodec.apply_into` (the reader's side, on host chunks); the rest has defaults that
@@ -15,16 +16,11 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, TypeVar
 
 import numpy as np
 import torch
-from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec
-from zarr.core.common import parse_named_configuration
 
 from ..format import TensorEntry, bits_numpy_dtype
 
 if TYPE_CHECKING:
     from typing import Self
-
-    from zarr.core.array_spec import ArraySpec
-    from zarr.core.buffer import NDBuffer
 
 T = TypeVar("T")
 
@@ -57,8 +53,18 @@ class Delta:
 Finish = Callable[[Delta, list[tuple[int, int]]], Any]
 
 
+def configuration(data: dict[str, Any], name: str, required: bool = True) -> dict[str, Any]:
+    """The configuration of codec metadata ``{"name": name, "configuration": {...}}``."""
+    if not isinstance(data, dict) or data.get("name") != name:
+        raise ValueError(f"expected codec metadata named {name!r}, got {data!r}")
+    config = data.get("configuration", None if required else {})
+    if not isinstance(config, dict):
+        raise ValueError(f"codec {name!r}: metadata without a configuration object: {data!r}")
+    return config
+
+
 @dataclass(frozen=True)
-class DeltaCodec(ArrayArrayCodec, abc.ABC):
+class DeltaCodec(abc.ABC):
     """Base of the delta codecs: configuration round-trips, pass-through inside zarr.
 
     A codec names itself (``name``: its zarr codec id; ``encoding``: its manifest encoding)
@@ -74,8 +80,7 @@ class DeltaCodec(ArrayArrayCodec, abc.ABC):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
-        _, config = parse_named_configuration(data, cls.name)
-        return cls(**config)
+        return cls(**configuration(data, cls.name))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {f.name: getattr(self, f.name) for f in fields(self)}}
@@ -176,15 +181,6 @@ class DeltaCodec(ArrayArrayCodec, abc.ABC):
         """The chunk back from :meth:`serialize`'s bytes (``raw``: uint8)."""
         return raw.view(dtype).reshape(shape)
 
-    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> NDBuffer:
-        return chunk_array
-
-    async def _decode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> NDBuffer:
-        return chunk_array
-
-    def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
-        return input_byte_length
-
 
 @dataclass(frozen=True)
 class ElementwiseDeltaCodec(DeltaCodec):
@@ -213,16 +209,16 @@ def _with_base(codec: Any, step: int, array: str) -> Any:
 
 
 
-
 @dataclass(frozen=True)
-class Serializer(ArrayBytesCodec):
-    """An array-to-bytes codec without configuration."""
+class Serializer:
+    """An array-to-bytes codec (a delta's chunks to bytes, in zarr's pipeline) without
+    configuration."""
 
     name: ClassVar[str]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
-        parse_named_configuration(data, cls.name, require_configuration=False)
+        configuration(data, cls.name, required=False)
         return cls()
 
     def to_dict(self) -> dict[str, Any]:

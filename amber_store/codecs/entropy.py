@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
-from zarr.abc.codec import ArrayBytesCodec
-from zarr.core.common import parse_named_configuration
 
 from ..format import DTYPES, TensorEntry, numpy_to_tensor, round_up, to_bits
 from .ans import ans_decode, ans_encode, decode_codes, encode_codes_many
-from .base import Delta, DeltaCodec, Finish, Shuffle
+from .base import Delta, DeltaCodec, Finish, Shuffle, configuration
 from . import device
 from .device import Quantized, by_chunk, compute_dtype, host_floats, quantize_in_pieces, to_host, unchunk
 
@@ -496,7 +494,7 @@ class RatioDeltaCodec(CodedDelta):
 
 
 @dataclass(frozen=True)
-class AnsBytesCodec(ArrayBytesCodec):
+class AnsBytesCodec:
     """zarr serializer of the entropy-coded lossy deltas (:class:`BlockDeltaCodec`,
     :class:`RatioDeltaCodec`): decodes a chunk to its int8 codes. ``side``: elements per side
     code (a block's exponent), 0 for none. ``sparse_codes``: the element codes start with a
@@ -509,8 +507,7 @@ class AnsBytesCodec(ArrayBytesCodec):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
-        _, config = parse_named_configuration(data, cls.name)
-        return cls(**config)
+        return cls(**configuration(data, cls.name))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"side": self.side, "sparse_codes": self.sparse_codes}}

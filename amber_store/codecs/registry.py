@@ -1,14 +1,12 @@
 """The one registry of codecs: each delta codec by its manifest encoding and its zarr codec name
-(registered with zarr), the named codecs a store's ``codec=`` takes, the presets, and
-:class:`Policy`, which picks a tensor's codec. :mod:`amber_store.format` checks its list of
-encodings against this one (a test)."""
+(zarr's readers find them through entry points, :mod:`~.zarr_codecs`), the named codecs a
+store's ``codec=`` takes, the presets, and :class:`Policy`, which picks a tensor's codec.
+:mod:`amber_store.format` checks its list of encodings against this one (a test)."""
 
 from __future__ import annotations
 
 import fnmatch
 from typing import Any, Sequence, Union
-
-from zarr.registry import register_codec
 
 from .base import DeltaCodec
 from .entropy import AnsBytesCodec, BlockDeltaCodec, RatioDeltaCodec
@@ -22,8 +20,6 @@ DELTA_ENCODINGS: dict[str, type[DeltaCodec]] = {c.encoding: c for c in (
     XorDeltaCodec, DiffDeltaCodec, SparseDeltaCodec, QuantizedDeltaCodec, BlockDeltaCodec, RatioDeltaCodec)}
 #: the array-to-bytes codecs the delta codecs serialize with
 SERIALIZERS: tuple[type[Any], ...] = (SparseBytesCodec, Pack4BytesCodec, AnsBytesCodec)
-for _codec in (*DELTA_ENCODINGS.values(), *SERIALIZERS):
-    register_codec(_codec.name, _codec)
 
 CodecLike = Union[str, DeltaCodec]
 CodecPolicy = Union[CodecLike, Sequence[tuple[str, CodecLike]]]

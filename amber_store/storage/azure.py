@@ -22,7 +22,7 @@ from urllib.parse import SplitResult
 
 from ..errors import InvalidURIError
 from ..runtime import sync
-from .objectstore import FRESH, FsspecObjectStoreBackend
+from .fsspecstore import FRESH, FsspecObjectStoreBackend
 
 #: per-request bounds (seconds) unless the options name them: a server that stops answering
 #: fails a request after its retries instead of after the SDK's 60 s read timeout, each

@@ -19,7 +19,7 @@ from urllib.parse import SplitResult
 
 from ..errors import InvalidURIError, StorageAccessError
 from .base import reason
-from .objectstore import FRESH, FsspecObjectStoreBackend
+from .fsspecstore import FRESH, FsspecObjectStoreBackend
 
 #: bounds on each request (aiohttp ``ClientTimeout`` fields) unless ``requests_timeout`` is
 #: given: a server that stops answering fails a request after its attempts instead of never;

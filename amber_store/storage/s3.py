@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from ..errors import InvalidURIError
-from .objectstore import FRESH, FsspecObjectStoreBackend
+from .fsspecstore import FRESH, FsspecObjectStoreBackend
 
 #: Defaults for every S3 request (botocore ``Config`` keys; ``storage_options["config_kwargs"]``
 #: overrides them). A read from a server that stops answering fails after its attempts

@@ -1,5 +1,6 @@
 """``s3://bucket/prefix`` (and ``s3a://``) on obstore: AWS S3, MinIO, SeaweedFS or any S3 server,
-through the Rust ``object_store`` client that zarr's :class:`~zarr.storage.ObjectStore` wraps.
+through the Rust ``object_store`` client (which zarr's :class:`~zarr.storage.ObjectStore` wraps,
+for zarr's readers; amber-store's own reads and writes call obstore directly).
 
 The default S3 client: on SeaweedFS (loopback, 2 cores) it loaded a delta step 1.28-1.43x and
 saved 1.1-1.36x faster than s3fs, over three runs of benchmarks/throughput.py. Options are the
@@ -19,12 +20,17 @@ import datetime
 import os
 import re
 import time
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 from urllib.parse import SplitResult
 
+import numpy as np
+
 from ..errors import InvalidURIError, StorageAccessError
-from .base import Backend, Upload
+from .base import Backend, ByteRange, Upload, as_array
 from .objectstore import ObjectStoreBackend
+
+if TYPE_CHECKING:
+    from zarr.storage import ObjectStore
 
 #: Bounds on every request: to connect, of silence between bytes (a frozen server), and on a
 #: whole request (a GET of a large object at 100 MB/s takes seconds, not minutes).
@@ -57,9 +63,7 @@ class ObstoreS3Backend(ObjectStoreBackend):
     honoured_by = "AWS S3, MinIO since RELEASE.2024-11, SeaweedFS"
 
     def __init__(self, client: Any, bucket: str, prefix: str, uri: str, read_only: bool, endpoint: str) -> None:
-        from zarr.storage import ObjectStore
-
-        super().__init__(ObjectStore(client, read_only=read_only), uri, f"{bucket}/{prefix}".rstrip("/"))
+        super().__init__(None, uri, f"{bucket}/{prefix}".rstrip("/"), read_only)
         self.client = client
         self._endpoint = endpoint
         self._bucket, self._prefix = bucket, prefix.strip("/")
@@ -97,7 +101,38 @@ class ObstoreS3Backend(ObjectStoreBackend):
     def endpoint(self) -> str:
         return self._endpoint
 
+    def zarr_store(self) -> ObjectStore:
+        from zarr.storage import ObjectStore
+
+        return ObjectStore(self.client, read_only=self.read_only)
+
     # --- reading ------------------------------------------------------------------------
+
+    async def get(self, key: str, byte_range: ByteRange | None = None) -> np.ndarray | None:
+        import obstore
+
+        try:
+            if byte_range is None:
+                return as_array(await (await obstore.get_async(self.client, key)).bytes_async())
+            return as_array(await obstore.get_range_async(self.client, key, start=byte_range[0], end=byte_range[1]))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # (obstore raises the built-in one)
+            return None
+
+    async def exists(self, key: str) -> bool:
+        import obstore
+
+        try:
+            await obstore.head_async(self.client, key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
+        import obstore
+
+        async for batch in obstore.list(self.client, prefix=prefix or None):
+            for meta in batch:
+                yield meta["path"]
 
     async def list_dir(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
         """Names directly below ``prefix``; a server's marker of the "directory" itself
@@ -219,6 +254,18 @@ class ObstoreS3Backend(ObjectStoreBackend):
 
         await obstore.delete_async(self.client, key)
 
+    async def delete(self, key: str) -> None:
+        await self.remove(key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        import obstore
+
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        keys = [meta["path"] async for batch in obstore.list(self.client, prefix=prefix or None) for meta in batch]
+        for start in range(0, len(keys), 1000):  # (one request deletes up to 1,000 objects)
+            await obstore.delete_async(self.client, keys[start: start + 1000])
+
     # --- checking -----------------------------------------------------------------------
 
     async def probe_request(self) -> None:
@@ -238,10 +285,11 @@ class ObstoreS3Backend(ObjectStoreBackend):
         return isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or \
             re.search(r"status code:? 40[13]\b", str(e)) is not None
 
-    async def footprint(self) -> dict[str, int]:
+    async def footprint(self, prefix: str = "") -> dict[str, int]:
         import obstore
 
-        sizes = [meta["size"] async for batch in obstore.list(self.client, chunk_size=1000) for meta in batch]
+        sizes = [meta["size"] async for batch in obstore.list(self.client, prefix=prefix or None, chunk_size=1000)
+                 for meta in batch]
         return {"objects": len(sizes), "bytes": sum(sizes), "allocated": sum(sizes)}
 
     def close(self) -> None:

@@ -31,4 +31,4 @@ class ZarrStoreBackend(Backend):
     async def put_if_absent(self, key: str, data: bytes) -> bool:
         await self.store.set_if_not_exists(key, as_buffer(data))
         stored = await self.get(key)
-        return stored is not None and stored.to_bytes() == data
+        return stored is not None and stored.tobytes() == data
