@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine, rotated, table  # noqa: E402
+from benchmarks.common import compiled, machine, rotated, table  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
@@ -120,6 +120,7 @@ def main() -> None:
     args = p.parse_args()
     cases = (CASES + INTO + ([f"full step{BEFORE}", f"delta step{BEFORE}"] if args.before else [])
              + [f"{kind} [{path}]" for path in args.paths for kind in CASES[1:]])
+    compiled(Path(__file__).resolve().parents[1], *([args.before] if args.before else []))
     root = Path(tempfile.mkdtemp(prefix="amber-cold-"))
     cold: dict[str, list[dict]] = {k: [] for k in cases}
     imports: dict[str, list[float]] = {k: [] for k in cases}

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
 from backends.s3servers import SeaweedFS  # noqa: E402
-from benchmarks.common import machine, median_rate, rate, rotated, table  # noqa: E402
+from benchmarks.common import compiled, machine, median_rate, rate, rotated, table  # noqa: E402
 
 REGION = "us-east-1"
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (DCP in one process)
@@ -268,6 +268,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
+    compiled(Path(__file__).resolve().parents[1])
     state = make_state(args.mb)
     g = torch.Generator().manual_seed(1)
     updated = {k: v + 1e-3 * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in state.items()}
