@@ -4,7 +4,7 @@ stay interruptible.
 
 The loop and the pools are made at first use and shared by every store of the process: their
 sizes are facts of the machine, not of one store. The loop is amber-store's own, not zarr's
-(``zarr.core.sync``), so that a load imports no zarr (~0.2 s of a fresh process's resume); zarr's
+(``zarr.core.sync``), so that a load imports no zarr (~0.12 s of a fresh process's resume); zarr's
 async API runs on it like any other coroutine.
 """
 

@@ -24,7 +24,8 @@ from amber_store import shards
 from amber_store.cli import main as cli
 from amber_store.dcp import AmberStorageReader, AmberStorageWriter
 from backends.process import free_port
-from conftest import BUCKET, CountingStore, all_keys, assert_bit_equal, assert_tree_bit_equal, flip_stored_byte, is_data_key
+from conftest import (BUCKET, CountingStore, all_keys, assert_bit_equal, assert_tree_bit_equal, flip_stored_byte,
+                      is_data_key)
 from zarr.abc.store import RangeByteRequest
 from amber_store.runtime import sync
 from zarr.storage import LocalStore

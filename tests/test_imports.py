@@ -1,5 +1,5 @@
 """What a resume imports: a fresh process's load of a local store imports neither zarr nor
-numcodecs (zarr's API alone took ~0.2 s, more than torch.load's whole load of 240 MB). That
+numcodecs (zarr's API took ~0.12 s, nearly torch.load's whole load of 240 MB). That
 zarr's readers still find the codecs: tests/test_format.py."""
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ import pytest
 import amber_store as amber
 from amber_store import stepwriter
 from backends.process import free_port
-from conftest import OBJECT_STORES, assert_bit_equal, collect, assert_tree_bit_equal, layer_state, save_at_once, store_uri
+from conftest import (OBJECT_STORES, assert_bit_equal, assert_tree_bit_equal, collect, layer_state, save_at_once,
+                      store_uri)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ if it is absent, a replace readers never see half of, data objects written from 
 durability before a commit, reachability and conditional-write checks at open, a footprint for
 ``du``, bounds on requests that could otherwise hang), and ``store``, the zarr v3 store any zarr
 reader opens it with. A backend that does its reads and writes itself makes the zarr store only
-when asked for it, so that a load imports no zarr (~0.2 s of a fresh process's resume).
+when asked for it, so that a load imports no zarr (~0.12 s of a fresh process's resume).
 """
 
 from __future__ import annotations
