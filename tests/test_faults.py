@@ -662,6 +662,35 @@ def test_ctrl_c_as_a_save_is_handed_to_the_event_loop_leaves_no_attempt_and_the_
     assert_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2)["w"], torch.full((8,), 3.0))
 
 
+def test_a_second_ctrl_c_as_the_cancel_is_handed_over_still_cancels_the_save_and_waits_for_its_cleanup(tmp_path,
+                                                                                                      monkeypatch):
+    store = amber.open(tmp_path / "ckpt")
+    store.save(1, {"w": torch.ones(8)})
+    loop = event_loop()
+    hand_over = loop.call_soon_threadsafe
+    second: list[str] = []
+
+    def interrupted(callback, *args):  # Ctrl-C once the save reached the loop, again as its cancel is handed over
+        name = getattr(callback, "__qualname__", "")
+        if name == "interruptible.<locals>.start":
+            hand_over(callback, *args)
+            raise KeyboardInterrupt
+        if name == "interruptible.<locals>.cancel" and not second:
+            second.append(name)
+            raise KeyboardInterrupt
+        return hand_over(callback, *args)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.save(2, {"w": torch.full((8,), 2.0)})
+    monkeypatch.undo()
+    assert second
+    assert store.steps() == [1]  # cancelled, not committed behind the caller's back
+    assert sync(History(resolve(str(tmp_path / "ckpt"))).stray_attempts()) == []
+    store.save(2, {"w": torch.full((8,), 3.0)})
+    assert_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2)["w"], torch.full((8,), 3.0))
+
+
 def test_a_stray_attempt_in_a_store_opened_on_a_zarr_store_object_names_no_uri_it_cannot_reopen(tmp_path):
     store = amber.open(tmp_path / "ckpt")
     store.save(1, {"w": torch.ones(4)})
