@@ -33,7 +33,7 @@ _POPULATE_BYTES = 1 << 20
 
 #: A whole-step read fetches each object up to this size with one request; a bigger one is
 #: range-read chunk by chunk, so that its chunks arrive (and decode) concurrently, as s3fs would
-#: fetch a big object (:class:`amber_store.storage.fsspecstore.WholeObjectStore`).
+#: fetch a big object (:attr:`amber_store.storage.fsspecstore.FsspecObjectStoreBackend.cat_options`).
 WHOLE_OBJECT_BYTES = 64 << 20
 
 

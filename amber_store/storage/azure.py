@@ -32,7 +32,7 @@ AZURE_RETRIES: dict[str, float] = {"retry_total": 2, "initial_backoff": 1, "incr
 
 
 # Azure filesystems whose SDK clients are closed at exit, on the event loop they live on
-# (zarr's). adlfs's own closing, a finalizer, runs its coroutine on the filesystem's loop,
+# (amber-store's, which runs until the interpreter ends). adlfs's own closing, a finalizer, runs its coroutine on the filesystem's loop,
 # which an asynchronous adlfs does not have: it fails and prints a traceback at every exit, so
 # it is detached. (By id: filesystems of equal options compare equal.)
 _LIVE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -41,7 +41,7 @@ _LIVE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 @functools.cache
 def _close_at_exit() -> None:
     """Register :func:`_close_clients` once an adlfs finalizer exists: exit hooks run last
-    registered first, so it runs before the finalizers' hook and zarr's (which stops the loop)."""
+    registered first, so it runs before the finalizers' hook."""
     atexit.register(_close_clients)
 
 

@@ -1,41 +1,23 @@
-"""The backends on an fsspec async filesystem (s3fs, gcsfs, adlfs), under zarr's
-:class:`~zarr.storage.FsspecStore`: their reads go through zarr's store, their metadata writes
-and commits through the filesystem (:class:`FsspecObjectStoreBackend`)."""
+"""The backends on an fsspec async filesystem (s3fs, gcsfs, adlfs): their reads, writes and
+commits go through the filesystem (:class:`FsspecObjectStoreBackend`); zarr's
+:class:`~zarr.storage.FsspecStore` on the same filesystem is made only for zarr's readers."""
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from zarr.abc.store import ByteRequest
-from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
-from zarr.storage import FsspecStore
+import numpy as np
 
 from ..runtime import sync
+from .base import ByteRange, as_array
 from .objectstore import ObjectStoreBackend
 
+if TYPE_CHECKING:
+    from zarr.storage import FsspecStore
 
-class WholeObjectStore(FsspecStore):
-    """zarr's :class:`~zarr.storage.FsspecStore`, reading a whole object with one request:
-    ``cat_options`` go to the filesystem's ``_cat_file`` (s3fs would otherwise ask for an
-    object's size first, to split a big one into concurrent range reads: that doubled a
-    load's requests). amber-store's readers range-read big objects chunk by chunk themselves
-    (:data:`amber_store.reader.WHOLE_OBJECT_BYTES`)."""
-
-    cat_options: dict[str, Any] = {}
-
-    async def get(self, key: str, prototype: BufferPrototype | None = None,
-                  byte_range: ByteRequest | None = None) -> Buffer | None:
-        prototype = prototype or default_buffer_prototype()
-        if byte_range is not None or not self.cat_options:
-            return await super().get(key, prototype, byte_range)
-        if not self._is_open:
-            await self._open()
-        try:
-            data = await self.fs._cat_file(f"{self.path.rstrip('/')}/{key}", **self.cat_options)
-        except self.allowed_exceptions:
-            return None
-        return prototype.buffer.from_bytes(data)
+#: what a filesystem raises for a key that holds no object (as zarr's FsspecStore takes them)
+MISSING = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
 
 #: fsspec options every object store's filesystem gets: steps are discovered by listing, so a
@@ -47,15 +29,54 @@ FRESH: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": Tru
 class FsspecObjectStoreBackend(ObjectStoreBackend):
     """An object store through an fsspec async filesystem ``fs`` (s3fs, gcsfs, adlfs)."""
 
-    def __init__(self, fs: Any, path: str, uri: str, read_only: bool, cat_options: dict[str, Any] | None = None) -> None:
-        store = WholeObjectStore(fs, path=path, read_only=read_only)
-        if cat_options:
-            store.cat_options = cat_options
-        super().__init__(store, uri, path)
+    def __init__(self, fs: Any, path: str, uri: str, read_only: bool,
+                 cat_options: dict[str, Any] | None = None) -> None:
+        super().__init__(None, uri, path, read_only)
         self.fs = fs
+        #: options of a whole object's read (``_cat_file``): s3fs would otherwise ask for an
+        #: object's size first, to split a big one into concurrent range reads, which doubled a
+        #: load's requests; amber-store's readers range-read big objects chunk by chunk themselves
+        #: (:data:`amber_store.reader.WHOLE_OBJECT_BYTES`)
+        self.cat_options = cat_options or {}
+
+    def zarr_store(self) -> FsspecStore:
+        from zarr.storage import FsspecStore
+
+        return FsspecStore(self.fs, path=self.path, read_only=self.read_only)
 
     def key_path(self, key: str) -> str:
         return f"{self.path}/{key}"
+
+    # --- reading ------------------------------------------------------------------------
+
+    async def get(self, key: str, byte_range: ByteRange | None = None) -> np.ndarray | None:
+        path = self.key_path(key)
+        try:
+            if byte_range is None:
+                return as_array(await self.fs._cat_file(path, **self.cat_options))
+            return as_array(await self.fs._cat_file(path, start=byte_range[0], end=byte_range[1]))
+        except MISSING:
+            return None
+        except OSError as e:
+            if "not satisfiable" in str(e):  # (s3fs, for a range past an object's end: no bytes there)
+                return as_array(b"")
+            raise
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
+        base = f"{self.path}/{prefix.rstrip('/')}"
+        try:
+            found = await self.fs._ls(base, detail=False)
+        except FileNotFoundError:
+            return
+        for name in (f.replace(base + "/", "") for f in found):
+            yield name.removeprefix(self.path).removeprefix("/")
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
+        for path in await self.fs._find(f"{self.path}/{prefix}", detail=False, maxdepth=None, withdirs=False):
+            yield path.removeprefix(f"{self.path}/")
+
+    async def exists(self, key: str) -> bool:
+        return bool(await self.fs._exists(self.key_path(key)))
 
     # --- writing ------------------------------------------------------------------------
 
@@ -63,6 +84,9 @@ class FsspecObjectStoreBackend(ObjectStoreBackend):
         """Options of a metadata write that make the server refuse a body that arrived
         incomplete (a truncated commit), where the client does not check by itself."""
         return {}
+
+    async def put_object(self, key: str, parts: list[Any], durable: bool = False) -> None:
+        await self.fs._pipe_file(self.key_path(key), b"".join(parts))
 
     async def put(self, key: str, data: bytes) -> None:
         await self.bounded(self.fs._pipe_file(self.key_path(key), data, **self.integrity(data)))
@@ -84,6 +108,18 @@ class FsspecObjectStoreBackend(ObjectStoreBackend):
 
     async def remove(self, key: str) -> None:
         await self.fs._rm_file(self.key_path(key))
+
+    async def delete(self, key: str) -> None:
+        try:
+            await self.fs._rm(self.key_path(key))
+        except MISSING:
+            pass
+
+    async def delete_dir(self, prefix: str) -> None:
+        try:
+            await self.fs._rm(self.key_path(prefix).rstrip("/"), recursive=True)
+        except MISSING:
+            pass
 
     def exists_error(self, e: OSError) -> bool:
         """Whether ``e`` (not a FileExistsError) still says that a create lost to an existing

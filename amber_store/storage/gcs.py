@@ -117,7 +117,7 @@ def _filesystem(retries: int) -> Any:
 
 def _close_session(loop: Any, session: Any, asynchronous: bool = False) -> None:
     """Close an aiohttp session (gcsfs's finalizer of a filesystem, when it goes or at exit) on
-    the event loop it lives on, zarr's: gcsfs's own closes it on whatever loop runs where the
+    the event loop it lives on (amber-store's): gcsfs's own closes it on whatever loop runs where the
     garbage collector struck ("attached to a different loop"). Scheduled, never waited for: the
     collector may strike in a thread that holds what that loop needs (waiting there stalled
     saves for the wait's whole timeout). Once the loop is gone, its connections are closed as

@@ -153,9 +153,8 @@ def _models(data_path: str | None) -> Any:
     return create_loader(data_path)
 
 
-# S3 filesystems with a client session, and the event loop (zarr's) the session lives on;
-# closed at exit. This hook is registered after zarr's (amber_store imports zarr first), so it
-# runs while that loop still runs.
+# S3 filesystems with a client session, and the event loop the session lives on (amber-store's,
+# which nothing stops before the interpreter ends); closed at exit.
 _SESSIONS: "weakref.WeakKeyDictionary[Any, asyncio.AbstractEventLoop]" = weakref.WeakKeyDictionary()
 
 
