@@ -63,7 +63,7 @@ class FsspecObjectStoreBackend(ObjectStoreBackend):
             raise
 
     async def list_dir(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
-        base = f"{self.path}/{prefix.rstrip('/')}"
+        base = self.key_path(prefix.rstrip("/"))
         try:
             found = await self.fs._ls(base, detail=False)
         except FileNotFoundError:
@@ -72,7 +72,7 @@ class FsspecObjectStoreBackend(ObjectStoreBackend):
             yield name.removeprefix(self.path).removeprefix("/")
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
-        for path in await self.fs._find(f"{self.path}/{prefix}", detail=False, maxdepth=None, withdirs=False):
+        for path in await self.fs._find(self.key_path(prefix), detail=False, maxdepth=None, withdirs=False):
             yield path.removeprefix(f"{self.path}/")
 
     async def exists(self, key: str) -> bool:
@@ -128,7 +128,7 @@ class FsspecObjectStoreBackend(ObjectStoreBackend):
         return False
 
     async def footprint(self, prefix: str = "") -> dict[str, int]:
-        found = await self.fs._find(f"{self.path}/{prefix}".rstrip("/"), detail=True)
+        found = await self.fs._find(self.key_path(prefix).rstrip("/"), detail=True)
         sizes = [info["size"] for info in found.values()]
         return {"objects": len(sizes), "bytes": sum(sizes), "allocated": sum(sizes)}
 
