@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import constriction
 import numpy as np
 import pytest
@@ -223,6 +225,15 @@ def test_malformed_nibbles_are_refused_not_misread():
                              np.uint8)
 
     assert np.array_equal(decode_codes(forged([100], [0x8F, 0x07]), 3)[0], [-1, 100, 7])  # (an odd count: pad 0)
+    # a frame that declares 64 MiB for 3 codes: refused before anything is allocated for it
+    huge = zstd.compress(bytes(64 << 20), 1)
+    tracemalloc.start()
+    with pytest.raises(ValueError, match="malformed"):
+        decode_codes(np.frombuffer(b"".join([bytes([NIBBLES]), np.uint32(0).tobytes(), np.uint32(len(huge)).tobytes(),
+                                             huge]), np.uint8), 3)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20
     for escaped, packed in (([100, 101], [0x8F, 0x07]),  # more escaped codes than marks
                             ([], [0x8F, 0x07]),  # a mark without its code
                             ([5], [0x8F, 0x07]),  # an escaped code that fits a nibble
