@@ -22,14 +22,14 @@ import time
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar, Union, cast
+from typing import Any, Awaitable, Callable, TypeVar, Union
 
 import crc32c
 import numpy as np
 import torch
 
 from . import format as fmt
-from .codecs import DELTA_ENCODINGS, Compression, Delta, DeltaCodec, LosslessDeltaCodec, codec_named, scratch, to_host
+from .codecs import DELTA_ENCODINGS, Compression, Delta, DeltaCodec, HostDiff, codec_named, scratch, to_host
 from .format import TensorEntry, bits_numpy_dtype, bits_to_numpy, dtype_name, itemsize, to_bits
 from .bases import Bits, Keeper, Resident, Spilled
 from .options import Options
@@ -82,7 +82,7 @@ def _zeros_crc(nbytes: int) -> int:
 _Chunk = tuple[Union[list[bytes], None], int]
 
 
-def _lossless_chunk(codec: LosslessDeltaCodec, value: np.ndarray, base: np.ndarray | None, base_crc: int | None,
+def _lossless_chunk(codec: DeltaCodec, value: np.ndarray, base: np.ndarray | None, base_crc: int | None,
                     padded: int, compression: Compression, typesize: int) -> _Chunk:
     """One chunk of a full step (no ``base``) or of a lossless delta (``codec``): (stored
     parts, or ``None`` when all zero; crc32c of the materialized bits). A chunk whose crc32c
@@ -94,6 +94,7 @@ def _lossless_chunk(codec: LosslessDeltaCodec, value: np.ndarray, base: np.ndarr
     if base is None:
         data = value
     else:
+        assert isinstance(codec, HostDiff)  # (a delta taken on the host: see StepWriter.add)
         data = scratch(value.nbytes).view(value.dtype)
         codec.encode_into(data, value, base)
     return compression.compress(_padded(data, padded), typesize, None if base is None else codec), crc
@@ -153,7 +154,7 @@ def submit_delta(pool: ThreadPoolExecutor, codec: DeltaCodec, delta: Delta, reco
             for k in range(0, len(runs), size)]
 
 
-def _lossless_chunks(codec: LosslessDeltaCodec, src: np.ndarray, ref: Bits | None, crcs: list[int | None],
+def _lossless_chunks(codec: DeltaCodec, src: np.ndarray, ref: Bits | None, crcs: list[int | None],
                      new: Resident | Spilled | None, runs: list[tuple[int, int]], padded: int,
                      compression: Compression, typesize: int) -> list[_Chunk]:
     """:func:`_lossless_chunk` of the chunks ``runs`` of flat ``src`` (``ref``: the base, read by
@@ -423,7 +424,7 @@ class StepWriter:
                 self._diff_batch(codec, tensor.dtype)
             return
         delta = None
-        if base is not None and (tensor.device.type != "cpu" or not codec.lossless):
+        if base is not None and (tensor.device.type != "cpu" or not isinstance(codec, HostDiff)):
             out = self._keeper.buffer(key, to_bits(tensor)) if keep and tensor.device.type == "cpu" else None
             finish = None if packed else functools.partial(piece_chunks, codec, math.prod(chunks), self._compression,
                                                            tensor.element_size())
@@ -514,8 +515,9 @@ class StepWriter:
             elif old is None:
                 payload = host.view(np.uint8)
             else:
+                assert isinstance(codec, HostDiff)  # (a delta taken on the host: see add)
                 stored = np.empty_like(host)
-                cast(LosslessDeltaCodec, codec).encode_into(stored, host, old)  # host diffs are lossless
+                codec.encode_into(stored, host, old)
                 payload = stored.view(np.uint8)
         else:
             assert delta is not None

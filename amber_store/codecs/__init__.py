@@ -32,7 +32,7 @@ Modules: :mod:`~.base` (the contract), :mod:`~.lossless`, :mod:`~.sparse`, :mod:
 :mod:`~.registry` (names, presets, which codec a tensor gets).
 """
 
-from .base import Delta, DeltaCodec, ElementwiseDeltaCodec, Finish, Serializer, Shuffle
+from .base import Delta, DeltaCodec, ElementwiseDeltaCodec, Finish, HostDiff, Serializer, Shuffle
 from .compression import Compression, decompress, fuses, scratch
 from .device import to_host
 from .entropy import ESCAPE, AnsBytesCodec, BlockDeltaCodec, CodedDelta, RatioDeltaCodec
@@ -44,7 +44,7 @@ from .sparse import SparseBytesCodec, SparseDeltaCodec, sparse_decode, sparse_en
 __all__ = [
     "DELTA_ENCODINGS", "ESCAPE", "PRESETS", "SERIALIZERS", "AnsBytesCodec", "BlockDeltaCodec", "CodecLike",
     "CodecPolicy", "CodedDelta", "Compression", "Delta", "DeltaCodec", "DiffDeltaCodec", "ElementwiseDeltaCodec",
-    "Finish", "LosslessDeltaCodec", "Pack4BytesCodec", "Policy", "QuantizedDeltaCodec", "RatioDeltaCodec",
+    "Finish", "HostDiff", "LosslessDeltaCodec", "Pack4BytesCodec", "Policy", "QuantizedDeltaCodec", "RatioDeltaCodec",
     "Serializer", "Shuffle", "SparseBytesCodec", "SparseDeltaCodec", "XorDeltaCodec", "codec_named", "decompress",
     "dequantize", "fuses", "pack4_decode", "pack4_encode", "scratch", "sparse_decode", "sparse_encode", "sparse_pack",
     "to_host",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -201,6 +201,18 @@ class ElementwiseDeltaCodec(DeltaCodec):
     @abc.abstractmethod
     def apply_into(self, out: np.ndarray, stored: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> None:
         """Like :meth:`apply`, in place: ``out`` holds the base bits of ``region`` and gets the result."""
+
+
+@runtime_checkable
+class HostDiff(Protocol):
+    """A codec whose delta of a tensor in host memory the step writer takes chunk by chunk as it
+    encodes them (:meth:`encode_into`, on the codec threads) rather than by
+    :meth:`DeltaCodec.diff` beforehand: the lossless deltas. The writer tests for this, never
+    for a class."""
+
+    def encode_into(self, out: np.ndarray, value: np.ndarray, base: np.ndarray) -> None:
+        """``out`` gets the stored delta of the bits ``value`` against ``base`` (same shape and
+        unsigned dtype)."""
 
 
 @functools.lru_cache(maxsize=1 << 12)  # every small tensor of a save asks for the same one
