@@ -278,10 +278,9 @@ class Reader:
         index = info["index"][first:stop]
         lo, hi = index[0][0], index[-1][0] + index[-1][1]
         whole = first == 0 and stop == len(info["index"])
-        raw = await self.history.backend.get(fmt.shard_key(info["array"], 1), None if whole else (lo, hi))
-        if raw is None:
+        data = await self.history.backend.get(fmt.shard_key(info["array"], 1), None if whole else (lo, hi))
+        if data is None:
             return None, set()
-        data = raw
         size = info["chunk"]
         out = fmt.host_empty((stop - first) * size, np.uint8)
         failed: set[int] = set()

@@ -32,6 +32,10 @@ T = TypeVar("T")
 #: A range of an object's bytes: ``(start, end)``, ``end`` exclusive.
 ByteRange = tuple[int, int]
 
+#: What a filesystem or client raises for a key that holds no object (what :meth:`Backend.get`
+#: answers ``None`` to, as zarr's stores do)
+MISSING = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
 #: top-level modules whose exceptions are I/O failures (each backend adds its client's)
 _ERROR_MODULES: set[str] = set()
 

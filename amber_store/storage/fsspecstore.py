@@ -10,15 +10,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import numpy as np
 
 from ..runtime import sync
-from .base import ByteRange, as_array
+from .base import MISSING, ByteRange, as_array
 from .objectstore import ObjectStoreBackend
 
 if TYPE_CHECKING:
     from zarr.storage import FsspecStore
-
-#: what a filesystem raises for a key that holds no object (as zarr's FsspecStore takes them)
-MISSING = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
-
 
 #: fsspec options every object store's filesystem gets: steps are discovered by listing, so a
 #: cached listing would hide new commits; and a filesystem cached by its arguments would keep

@@ -24,7 +24,7 @@ import numpy as np
 from .. import validation
 from ..errors import CorruptDataError, InvalidURIError, NotAnAmberStoreError
 from ..runtime import finish
-from .base import Backend, ByteRange, as_array
+from .base import MISSING, Backend, ByteRange, as_array
 
 if TYPE_CHECKING:
     from zarr.storage import LocalStore
@@ -110,7 +110,7 @@ class LocalBackend(Backend):
     async def get(self, key: str, byte_range: ByteRange | None = None) -> np.ndarray | None:
         try:
             return await asyncio.to_thread(_get_local, self.root, key, byte_range)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        except MISSING:
             return None
 
     async def list_dir(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]

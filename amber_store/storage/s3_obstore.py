@@ -26,7 +26,7 @@ from urllib.parse import SplitResult
 import numpy as np
 
 from ..errors import InvalidURIError, StorageAccessError
-from .base import Backend, ByteRange, Upload, as_array
+from .base import MISSING, Backend, ByteRange, Upload, as_array
 from .objectstore import ObjectStoreBackend
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class ObstoreS3Backend(ObjectStoreBackend):
             if byte_range is None:
                 return as_array(await (await obstore.get_async(self.client, key)).bytes_async())
             return as_array(await obstore.get_range_async(self.client, key, start=byte_range[0], end=byte_range[1]))
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # (obstore raises the built-in one)
+        except MISSING:  # (obstore raises the built-in FileNotFoundError)
             return None
 
     async def exists(self, key: str) -> bool:
