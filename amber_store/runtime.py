@@ -11,6 +11,7 @@ async API runs on it like any other coroutine.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import threading
 import time
@@ -31,7 +32,10 @@ _POOLS_LOCK = threading.Lock()
 
 
 _LOOP: list[asyncio.AbstractEventLoop] = []
+_LOOP_THREAD: list[threading.Thread] = []
 _LOOP_LOCK = threading.Lock()
+#: how long the exit waits for the loop to stop
+STOP_SECONDS = 0.2
 
 
 def event_loop() -> asyncio.AbstractEventLoop:
@@ -40,15 +44,29 @@ def event_loop() -> asyncio.AbstractEventLoop:
         with _LOOP_LOCK:
             if not _LOOP:
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="amber-io", daemon=True).start()
+                thread = threading.Thread(target=loop.run_forever, name="amber-io", daemon=True)
+                thread.start()
                 _LOOP.append(loop)
+                _LOOP_THREAD.append(thread)
     return _LOOP[0]
+
+
+@atexit.register
+def _stop_loop() -> None:
+    """Stop the loop before the interpreter finalizes, as zarr stopped its own (which ran every
+    storage call before): no client's thread (obstore's runtime, aiohttp's callbacks) then hands
+    a result to a loop that still runs while Python goes away. Registered first, so it runs after
+    the backends' exit hooks, which close their clients on this loop."""
+    if _LOOP and _LOOP[0].is_running():
+        _LOOP[0].call_soon_threadsafe(_LOOP[0].stop)
+        _LOOP_THREAD[0].join(STOP_SECONDS)
 
 
 def _forget_after_fork() -> None:
     # (a forked child has the parent's loop object but not its thread: it makes its own, and its
     # own pools, whose threads did not survive the fork either)
     _LOOP.clear()
+    _LOOP_THREAD.clear()
     _POOLS.clear()
 
 
