@@ -59,14 +59,13 @@ def machine() -> str:
 
 
 def decoder() -> str:
-    """The native decoder's path for 4- and 2-byte elements (``AMBER_DECODE_PATH`` may force one)
-    and the CPU flags that choose it."""
-    from amber_store.codecs.compression import decode_paths
+    """The native decoder's path (``AMBER_DECODE_PATH`` may force one) and the CPU flags that
+    choose it."""
+    from amber_store.codecs.compression import decode_path
 
     flags = cpu_flags()
     shown = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vbmi", "gfni", "asimd", "sve") if f in flags]
-    paths = decode_paths()
-    return f"decode path fp32 {paths[4]}, bf16/fp16 {paths[2]} (CPU flags: {' '.join(shown) or 'none of note'})"
+    return f"decode path {decode_path()} (CPU flags: {' '.join(shown) or 'none of note'})"
 
 
 def cpu_flags() -> set[str]:

@@ -270,6 +270,7 @@ def main() -> None:
                                       else ["--kills", "10", "--freezes", "3", "--races", "10"]))
     load_md, _ = run("load_bench", "--mb", "32" if args.quick else "64")
     cold_md, cold = run("cold_load", "--mb", "256" if args.quick else "1024", "--rounds", "5")
+    paths_md, _ = run("decode_paths", "--repeats", "10" if args.quick else "30")
     dcp_md, _ = run("dcp_bench", *(["--width", "128", "--layers", "2", "--warmup", "30"] if args.quick else []))
     scale_md, scale = run("dcp_scale", *(["--worlds", "2", "4", "--tensors", "300"] if args.quick else []))
     sim_md, _ = run("scale_sim", "--lowest", *(["--ranks", "64", "256", "--params", "1000"] if args.quick else []))
@@ -411,6 +412,10 @@ Where amber-store loses:
 ## Loading in a fresh process, as a resume does
 
 {cold_md}
+
+## One chunk's decode by each path this CPU runs
+
+{paths_md}
 
 ## torch.distributed.checkpoint
 

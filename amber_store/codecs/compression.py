@@ -138,10 +138,10 @@ def fuses(stored: Any, out: np.ndarray, op: str = "store") -> bool:
             and _blosc1.takes(stored, out.nbytes, 0 if op == "store" else out.itemsize, _PATH))
 
 
-def decode_paths() -> dict[int, str]:
-    """The path that decodes chunks of each element width (bytes) the native decoder takes on this
+def decode_path() -> str:
+    """The path that decodes the chunks the native decoder takes (2- and 4-byte elements) on this
     machine: ``avx512``, ``avx2``, ``portable`` (NEON on aarch64) or ``c-blosc``."""
-    return {ts: (_blosc1.path_for(ts, _PATH) if _blosc1 else None) or "c-blosc" for ts in (2, 4)}
+    return (_blosc1.path_for(_PATH) if _blosc1 else None) or "c-blosc"
 
 
 def decompress(stored: Any, out: np.ndarray | None = None, op: str = "store") -> np.ndarray | None:

@@ -25,17 +25,16 @@ static PyObject *py_takes(PyObject *self, PyObject *args, PyObject *kwargs) {
     header_t h;
     const int path = path_named(name);
     int ok = path > -2 && nbytes >= 0 && read_header(frame.buf, (size_t)frame.len, (size_t)nbytes, typesize, &h) &&
-             path_for(h.typesize, path) >= 0;
+             path_for(path) >= 0;
     PyBuffer_Release(&frame);
     return PyBool_FromLong(ok);
 }
 
 static PyObject *py_path_for(PyObject *self, PyObject *args) {
-    int typesize;
     const char *name = NULL;
-    if (!PyArg_ParseTuple(args, "i|z", &typesize, &name)) return NULL;
+    if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
     const int named = path_named(name);
-    const int path = named > -2 ? path_for(typesize, named) : -1;
+    const int path = named > -2 ? path_for(named) : -1;
     if (path < 0) Py_RETURN_NONE;
     return PyUnicode_FromString(PATH_NAMES[path]);
 }
@@ -55,8 +54,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args, PyObject *kwargs) {
         err = "unknown op";
     } else if (!read_header(frame.buf, (size_t)frame.len, (size_t)out.len, 0, &h)) {
         err = "not a frame this decoder takes";
-    } else if ((path = path_for(h.typesize, path)) < 0) {
-        err = "this CPU does not run that path for these elements";
+    } else if ((path = path_for(path)) < 0) {
+        err = "this CPU does not run that path";
     }
     uint8_t *tmp = err ? NULL : malloc(h.block);
     if (!err && !tmp) {
@@ -85,8 +84,8 @@ static PyMethodDef methods[] = {
      "output of nbytes (2- or 4-byte elements, typesize of them unless 0, bit-shuffled, lz4), by "
      "`path` (None: any this CPU runs)."},
     {"path_for", py_path_for, METH_VARARGS,
-     "path_for(typesize, path=None) -> str | None: the path that decodes elements of typesize bytes "
-     "(`path`: that one, if it can), or None."},
+     "path_for(path=None) -> str | None: the path this CPU decodes by (`path`: that one, if it "
+     "runs it), or None."},
     {"decode", (PyCFunction)(void (*)(void))py_decode, METH_VARARGS | METH_KEYWORDS,
      "decode(frame, out, op, path=None): decode the frame into the writable contiguous buffer out, "
      "op 0 storing the elements, op 1 adding their zigzag decoding (modulo the element's width) to "

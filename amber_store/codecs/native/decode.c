@@ -7,8 +7,8 @@
  *
  * One unshuffle algorithm (unshuffle.h) compiled for each target it runs on: AVX2 on x86-64 and
  * the compiler's baseline (SSE2 there, NEON on aarch64: "portable"), chosen at run time; on
- * x86-64 CPUs with AVX-512 VBMI and GFNI, 4-byte elements take a kernel of their own that
- * transposes bits with one affine op. Frames are validated here whatever the caller checked: a
+ * x86-64 CPUs with AVX-512 VBMI and GFNI, a kernel of their own transposes bits with one affine
+ * op. Every path takes 2- and 4-byte elements. Frames are validated here whatever the caller checked: a
  * corrupt one raises ValueError and never reads or writes out of bounds (lz4's safe decoder,
  * offsets bounded). */
 #include <stdint.h>
@@ -56,13 +56,14 @@ int read_header(const uint8_t *f, size_t len, size_t nbytes, int typesize, heade
 }
 
 #if X86
-/* Bit-unshuffle one block of `n` 4-byte elements (n % 512 == 0) whose bit planes of byte j lie
- * at planes[j] (8 rows of n / 8 bytes), storing the elements into dst or adding their zigzag
- * decoding to it. Per 512 elements: eight 64-byte rows of each byte's planes, transposed as 8x8
- * qwords, then as 8x8 bytes (vpermb) and 8x8 bits (one affine op per qword), and the four
- * bytes of each element interleaved. */
-__attribute__((target("avx512f,avx512bw,avx512vbmi,gfni")))
-static void unshuffle_avx512(const uint8_t *const planes[4], uint32_t *dst, size_t n, int op) {
+/* Bit-unshuffle one block of `n` elements of ts (2 or 4) bytes (n % 512 == 0) whose bit planes
+ * of byte j lie at planes[j] (8 rows of n / 8 bytes), storing the elements into dst or adding
+ * their zigzag decoding to it. Per 512 elements: eight 64-byte rows of each byte's planes,
+ * transposed as 8x8 qwords, then as 8x8 bytes (vpermb) and 8x8 bits (one affine op per qword),
+ * and the bytes of each element interleaved. */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi,gfni")))
+AVX512_TARGET static inline __attribute__((always_inline)) void unshuffle_avx512_of(
+        const uint8_t *const planes[4], uint8_t *dst, size_t n, const int ts, const int op) {
     const size_t rowlen = n / 8;
     uint8_t tb[64], ilo[64], ihi[64];
     uint16_t wlo[32], whi[32];
@@ -79,10 +80,9 @@ static void unshuffle_avx512(const uint8_t *const planes[4], uint32_t *dst, size
     const __m512i T = _mm512_loadu_si512(tb), IL = _mm512_loadu_si512(ilo), IH = _mm512_loadu_si512(ihi);
     const __m512i WL = _mm512_loadu_si512(wlo), WH = _mm512_loadu_si512(whi);
     const __m512i BITT = _mm512_set1_epi64(0x8040201008040201ULL); /* transposes each 8x8 bit block */
-    const __m512i ONE = _mm512_set1_epi32(1);
     for (size_t g = 0; g < rowlen; g += 64) {
         __m512i P[4][8];
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < ts; j++) {
             const uint8_t *r = planes[j] + g;
             __m512i R[8], t[8], u[8], x[8];
             for (int k = 0; k < 8; k++) R[k] = _mm512_loadu_si512(r + k * rowlen);
@@ -101,24 +101,43 @@ static void unshuffle_avx512(const uint8_t *const planes[4], uint32_t *dst, size
             for (int i = 0; i < 8; i++)
                 P[j][i] = _mm512_gf2p8affine_epi64_epi8(BITT, _mm512_permutexvar_epi8(T, x[i]), 0);
         }
+        /* P[j][i]: byte j of the 64 elements from (g + 8i) * 8 */
         for (int i = 0; i < 8; i++) {
-            __m512i al = _mm512_permutex2var_epi8(P[0][i], IL, P[1][i]), ah = _mm512_permutex2var_epi8(P[0][i], IH, P[1][i]);
-            __m512i bl = _mm512_permutex2var_epi8(P[2][i], IL, P[3][i]), bh = _mm512_permutex2var_epi8(P[2][i], IH, P[3][i]);
-            __m512i o[4] = {_mm512_permutex2var_epi16(al, WL, bl), _mm512_permutex2var_epi16(al, WH, bl),
-                            _mm512_permutex2var_epi16(ah, WL, bh), _mm512_permutex2var_epi16(ah, WH, bh)};
-            uint32_t *d = dst + (g + 8 * i) * 8;
-            for (int q = 0; q < 4; q++) {
+            __m512i o[4];
+            const __m512i al = _mm512_permutex2var_epi8(P[0][i], IL, P[1][i]), ah = _mm512_permutex2var_epi8(P[0][i], IH, P[1][i]);
+            if (ts == 2) {
+                o[0] = al; o[1] = ah;
+            } else {
+                const __m512i bl = _mm512_permutex2var_epi8(P[2][i], IL, P[3][i]), bh = _mm512_permutex2var_epi8(P[2][i], IH, P[3][i]);
+                o[0] = _mm512_permutex2var_epi16(al, WL, bl); o[1] = _mm512_permutex2var_epi16(al, WH, bl);
+                o[2] = _mm512_permutex2var_epi16(ah, WL, bh); o[3] = _mm512_permutex2var_epi16(ah, WH, bh);
+            }
+            uint8_t *d = dst + (g + 8 * i) * 8 * ts;
+            for (int q = 0; q < ts; q++) {
                 if (op == OP_STORE) {
-                    _mm512_storeu_si512(d + 16 * q, o[q]);
-                } else { /* the diff's zigzag: 0, -1, 1, -2, ... <- 0, 1, 2, 3, ... */
-                    __m512i z = o[q];
-                    __m512i v = _mm512_xor_si512(_mm512_srli_epi32(z, 1),
-                                                 _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_and_si512(z, ONE)));
-                    _mm512_storeu_si512(d + 16 * q, _mm512_add_epi32(_mm512_loadu_si512(d + 16 * q), v));
+                    _mm512_storeu_si512(d + 64 * q, o[q]);
+                } else if (ts == 4) { /* the diff's zigzag: 0, -1, 1, -2, ... <- 0, 1, 2, 3, ... */
+                    const __m512i z = o[q];
+                    const __m512i v = _mm512_xor_si512(_mm512_srli_epi32(z, 1), _mm512_sub_epi32(
+                        _mm512_setzero_si512(), _mm512_and_si512(z, _mm512_set1_epi32(1))));
+                    _mm512_storeu_si512(d + 64 * q, _mm512_add_epi32(_mm512_loadu_si512(d + 64 * q), v));
+                } else {
+                    const __m512i z = o[q];
+                    const __m512i v = _mm512_xor_si512(_mm512_srli_epi16(z, 1), _mm512_sub_epi16(
+                        _mm512_setzero_si512(), _mm512_and_si512(z, _mm512_set1_epi16(1))));
+                    _mm512_storeu_si512(d + 64 * q, _mm512_add_epi16(_mm512_loadu_si512(d + 64 * q), v));
                 }
             }
         }
     }
+}
+
+/* (each width and op compiled apart, as in unshuffle.h) */
+AVX512_TARGET static void unshuffle_avx512(const uint8_t *const planes[4], uint8_t *dst, size_t n, int ts, int op) {
+    if (ts == 4)
+        op == OP_STORE ? unshuffle_avx512_of(planes, dst, n, 4, OP_STORE) : unshuffle_avx512_of(planes, dst, n, 4, OP_UNZIGZAG_ADD);
+    else
+        op == OP_STORE ? unshuffle_avx512_of(planes, dst, n, 2, OP_STORE) : unshuffle_avx512_of(planes, dst, n, 2, OP_UNZIGZAG_ADD);
 }
 
 #if VECTOR_KERNELS
@@ -147,10 +166,10 @@ static void unshuffle_avx512(const uint8_t *const planes[4], uint32_t *dst, size
 #undef WIDE_VECTORS
 #endif
 
-int path_for(int typesize, int path) {
-    if (path >= 0) return path < NPATHS && runs[path] && !(path == PATH_AVX512 && typesize != 4) ? path : -1;
+int path_for(int path) {
+    if (path >= 0) return path < NPATHS && runs[path] ? path : -1;
     for (int p = 0; p < NPATHS; p++)
-        if (runs[p] && !(p == PATH_AVX512 && typesize != 4)) return p;
+        if (runs[p]) return p;
     return -1;
 }
 
@@ -182,7 +201,7 @@ const char *decode(const header_t *h, const uint8_t *f, size_t len, uint8_t *dst
         uint8_t *out = dst + (size_t)b * block;
         switch (path) {
 #if X86
-        case PATH_AVX512: unshuffle_avx512(planes, (uint32_t *)out, block / 4, op); break;
+        case PATH_AVX512: unshuffle_avx512(planes, out, block / ts, ts, op); break;
 #if VECTOR_KERNELS
         case PATH_AVX2: unshuffle_avx2(planes, out, block / ts, ts, op); break;
 #endif

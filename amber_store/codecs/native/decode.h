@@ -27,8 +27,9 @@ typedef struct {
 /* Whether the frame's header is one this decoder takes, for an output of `nbytes` (and, unless 0,
  * elements of `typesize` bytes); if so, *h holds it. */
 int read_header(const uint8_t *f, size_t len, size_t nbytes, int typesize, header_t *h);
-/* The path this CPU decodes elements of `typesize` bytes with, or -1 (`path` >= 0: that one). */
-int path_for(int typesize, int path);
+/* The path this CPU decodes by (each takes 2- and 4-byte elements), or -1 (`path` >= 0: that
+ * one, if this CPU runs it). */
+int path_for(int path);
 /* Decode the frame f (len bytes), whose header is h, into dst (h->size bytes) by `path` (one
  * path_for answered), with tmp a scratch buffer of h->block bytes. Returns NULL or the reason the
  * frame is corrupt. */

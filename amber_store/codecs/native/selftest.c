@@ -62,7 +62,7 @@ int main(int argc, char **argv) {
         }
         uint8_t *out = malloc(nbytes + GUARD), *tmp = malloc(h.block);
         for (int p = 0; p < NPATHS; p++) {
-            if (path_for(h.typesize, p) != p) continue;
+            if (path_for(p) != p) continue;
             memcpy(out, before, nbytes);
             const char *err = decode(&h, frame, flen, out, op, p, tmp);
             if (err || memcmp(out, after, nbytes)) {
@@ -81,7 +81,7 @@ int main(int argc, char **argv) {
             memset(out + nbytes, 0xA5, GUARD);
             header_t hb;
             if (read_header(bad, blen, nbytes, 0, &hb)) {
-                int p = path_for(hb.typesize, -1);
+                int p = path_for(-1);
                 uint8_t *t = malloc(hb.block);
                 (void)decode(&hb, bad, blen, out, i & 1, p, t);
                 free(t);
