@@ -33,7 +33,7 @@ def build(out: Path) -> Path:
     so = out / f"_blosc1{sysconfig.get_config_var('EXT_SUFFIX')}"
     cmd = [os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
            "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-           f"-I{sysconfig.get_paths()['include']}", *(str(NATIVE / f) for f in ("blosc1.c", "decode.c", "lz4.c")), "-o", str(so)]
+           f"-I{sysconfig.get_paths()['include']}", *(str(NATIVE / f) for f in ("blosc1.c", "decode.c", "zigzag.c", "lz4.c")), "-o", str(so)]
     subprocess.run(cmd, check=True)
     return so
 

@@ -222,7 +222,7 @@ def selftest_cases(folder: Path) -> list[str]:
 def run_selftest(cc: list[str], run: list[str], tmp_path: Path) -> str:
     exe = tmp_path / "selftest"
     subprocess.run([*cc, "-O2", "-o", str(exe), f"-I{NATIVE_SOURCES}",
-                    *(str(NATIVE_SOURCES / f) for f in ("selftest.c", "decode.c", "lz4.c"))], check=True)
+                    *(str(NATIVE_SOURCES / f) for f in ("selftest.c", "decode.c", "zigzag.c", "lz4.c"))], check=True)
     cases = selftest_cases(tmp_path / "cases")
     done = subprocess.run([*run, str(exe), *cases], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -11,10 +11,8 @@ rounds across a code or an exponent, which they decide exactly: vanishingly rare
 the reconstruction readers compute, to the bit: the tests check both against the torch code
 run on the same CPU tensors. More serve :mod:`amber_store.codecs.ans`: ``nibbles``, ``nonzeros``
 and ``gaps`` lay out codes in one call where a dozen numpy passes would each take the GIL;
-``ans`` and ``unans`` are its rANS coder. ``zigzag_diff`` and ``unzigzag_add`` are the lossless
-diff codec's encode and decode: one call per chunk where numpy took five passes per cache-sized
-piece, each call taking the GIL (on 16 cores, threads decoding a load spent most of their time
-waiting for it).
+``ans`` and ``unans`` are its rANS coder. (The lossless diff's host kernels are C, built with
+the native decoder: ``native/zigzag.c``; a lossless save or load never imports numba.)
 
 Loops index slices from 0 (``range(x.size)``): a loop from an offset read from an array does
 not vectorize (numba cannot tell the index is never negative), and nor does one that counts
@@ -833,22 +831,3 @@ def unratio(x, codes, factors):  # pragma: no cover (compiled)
     (``factors[code + 128]``, the writer's table), one rounded product as for the writer."""
     for i in range(x.size):
         x[i] = factors[codes[i] + 128] * x[i]
-
-
-@njit(**_OPTIONS)
-def zigzag_diff(out, value, base, spread):  # pragma: no cover (compiled)
-    """``out = zigzag(value - base)`` of signed ints of one width, modulo 2**width, with
-    ``spread = 64 - 8 * width`` (elements arrive as int64: the difference sign-extended from
-    its own width, then zigzag's sign, then the store truncates)."""
-    for i in range(out.size):
-        d = ((value[i] - base[i]) << spread) >> spread
-        out[i] = (d << 1) ^ (d >> 63)
-
-
-@njit(**_OPTIONS)
-def unzigzag_add(out, stored, low):  # pragma: no cover (compiled)
-    """``out += unzigzag(stored)``, modulo 2**width, with ``low = 2**(8 * width - 1) - 1``:
-    the mask that makes the arithmetic shift of a sign-extended int a logical one."""
-    for i in range(out.size):
-        z = stored[i]
-        out[i] += ((z >> 1) & low) ^ -(z & 1)

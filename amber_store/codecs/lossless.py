@@ -12,8 +12,12 @@ import torch
 
 from ..format import TensorEntry, bits_to_numpy, to_bits
 from .base import Delta, ElementwiseDeltaCodec, Finish, Shuffle
-from . import warmup
 from .device import to_host
+
+try:  # the diff's host kernels, built with the native decoder (native/zigzag.c)
+    from ._blosc1 import unzigzag_add, zigzag_diff
+except ImportError:  # (no C compiler at install: torch's ops on the CPU, the same bits)
+    unzigzag_add = zigzag_diff = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,12 @@ def _into(out: np.ndarray) -> np.ndarray:
     return _signed(out)
 
 
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a CPU tensor (a read-only array copied: torch warns of one; the warnings module's
+    filters are no thread's to change while codec threads run)."""
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
 @dataclass(frozen=True)
 class DiffDeltaCodec(LosslessDeltaCodec):
     """Bit-exact delta (the default): the chunk holds ``zigzag(raw_bits(value) -
@@ -98,8 +108,9 @@ class DiffDeltaCodec(LosslessDeltaCodec):
     1.28x, at a third of lz4's speed. On a synthetic state whose every element moves by 1e-3
     of its spread: 1.63x (lz4), 1.78x (zstd); XOR 1.71x (zstd). So large tensors' chunks take
     lz4 (the throughput of a save) and packs of small tensors zstd (:class:`Compression`).
-    On the host both directions are one compiled pass per chunk (:mod:`amber_store.codecs.kernels`),
-    a fraction of compression's time; numpy's ufuncs until those are warm (:mod:`.warmup`).
+    On the host both directions are one pass per chunk in C (``native/zigzag.c``; the apply of
+    most chunks a load reads is fused into the native decoder's unshuffle), a fraction of
+    compression's time; without a C compiler at install, :meth:`diff`'s torch ops on the CPU.
     """
 
     name: ClassVar[str] = "amber.diff_delta"
@@ -112,18 +123,19 @@ class DiffDeltaCodec(LosslessDeltaCodec):
         return "bitshuffle" if cname == "lz4" else "shuffle"
 
     def encode_into(self, out: np.ndarray, value: np.ndarray, base: np.ndarray) -> None:
-        if warmup.ready():
-            from . import kernels
-            kernels.zigzag_diff(_into(out), _signed(value), _signed(base), 64 - 8 * out.itemsize)
+        into, value, base = _into(out), _signed(value), _signed(base)
+        if zigzag_diff is not None and into.flags.aligned and value.flags.aligned and base.flags.aligned:
+            zigzag_diff(into, value, base, into.itemsize)
         else:
-            warmup.zigzag_diff(_into(out), _signed(value), _signed(base))
+            torch.from_numpy(into).copy_(self._delta(_tensor(value), _tensor(base)))
 
     def apply_into(self, out: np.ndarray, stored: np.ndarray, region: tuple[slice, ...], entry: TensorEntry) -> None:
-        if warmup.warm():  # (a load never starts the warm-up: see warmup)
-            from . import kernels
-            kernels.unzigzag_add(_into(out), _signed(stored), (1 << (8 * out.itemsize - 1)) - 1)
+        into, stored = _into(out), _signed(stored)
+        if unzigzag_add is not None and into.flags.aligned and stored.flags.aligned:
+            unzigzag_add(into, stored, into.itemsize)
         else:
-            warmup.unzigzag_add(_into(out), _signed(stored))
+            o = torch.from_numpy(into)
+            o.copy_(self._restore(o, _tensor(stored)))
 
     def _delta(self, bits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         d = (bits - base).view(_SIGNED_TORCH[bits.element_size()])

@@ -1,11 +1,13 @@
-/* amber_store.codecs._blosc1: the native decoder (decode.c) bound to Python. Frame headers are
- * read with the GIL held; the decode runs without it. */
+/* amber_store.codecs._blosc1: the native decoder (decode.c) and the lossless diff's host kernels
+ * (zigzag.c) bound to Python. Frame headers and buffer sizes are read with the GIL held; the work
+ * runs without it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "decode.h"
+#include "zigzag.h"
 
 /* The path named `name` (NULL: -1, the fastest), or -2 if it names none. */
 static int path_named(const char *name) {
@@ -78,6 +80,57 @@ static PyObject *py_decode(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_RETURN_NONE;
 }
 
+/* Buffers of `width`-byte elements (1, 2, 4, 8), each as long as the first and aligned to its
+ * elements: what the kernels take, or a ValueError set. */
+static int same_elements(Py_buffer *const bufs[], int count, int width) {
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_SetString(PyExc_ValueError, "width must be 1, 2, 4 or 8");
+        return 0;
+    }
+    for (int i = 0; i < count; i++) {
+        if (bufs[i]->len != bufs[0]->len || bufs[i]->len % width || (uintptr_t)bufs[i]->buf % width) {
+            PyErr_SetString(PyExc_ValueError, "buffers of one length, a whole number of elements, aligned to them");
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *py_zigzag_diff(PyObject *self, PyObject *args) {
+    Py_buffer out, value, base;
+    int width;
+    if (!PyArg_ParseTuple(args, "w*y*y*i", &out, &value, &base, &width)) return NULL;
+    Py_buffer *const bufs[] = {&out, &value, &base};
+    const int ok = same_elements(bufs, 3, width);
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        zigzag_diff(out.buf, value.buf, base.buf, (size_t)(out.len / width), width);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&value);
+    PyBuffer_Release(&base);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_unzigzag_add(PyObject *self, PyObject *args) {
+    Py_buffer out, stored;
+    int width;
+    if (!PyArg_ParseTuple(args, "w*y*i", &out, &stored, &width)) return NULL;
+    Py_buffer *const bufs[] = {&out, &stored};
+    const int ok = same_elements(bufs, 2, width);
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        unzigzag_add(out.buf, stored.buf, (size_t)(out.len / width), width);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&stored);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"takes", (PyCFunction)(void (*)(void))py_takes, METH_VARARGS | METH_KEYWORDS,
      "takes(frame, nbytes, typesize=0, path=None) -> bool: whether decode() takes this frame for an "
@@ -91,6 +144,12 @@ static PyMethodDef methods[] = {
      "op 0 storing the elements, op 1 adding their zigzag decoding (modulo the element's width) to "
      "out's, by `path` (one of `paths`; None: the fastest this CPU runs for the frame's elements). "
      "Raises ValueError on a frame it does not take or a corrupt one (out then holds partial data)."},
+    {"zigzag_diff", py_zigzag_diff, METH_VARARGS,
+     "zigzag_diff(out, value, base, width): out = zigzag(value - base) of unsigned ints of width "
+     "(1, 2, 4, 8) bytes, modulo 2**(8 * width) (contiguous buffers of one length, aligned)."},
+    {"unzigzag_add", py_unzigzag_add, METH_VARARGS,
+     "unzigzag_add(out, stored, width): out += unzigzag(stored), modulo 2**(8 * width) "
+     "(zigzag_diff's inverse)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,6 +1,7 @@
 /* The native decoder on its own, without Python: decodes the cases named on the command line by
- * every path this CPU runs and compares the bits, then decodes mutated copies of their frames,
- * which must fail or decode without writing past the output. Built for another architecture and
+ * every path this CPU runs and compares the bits, checks the diff's host kernels (zigzag.c) on
+ * the diffs, then decodes mutated copies of their frames, which must fail or decode without
+ * writing past the output. Built for another architecture and
  * run under qemu-user by tests/test_native_decoder.py (cases written there by c-blosc).
  *
  * A case file: "AMBC", then op, nbytes and the frame's length (little-endian uint32 each), the
@@ -12,6 +13,7 @@
 #include <string.h>
 
 #include "decode.h"
+#include "zigzag.h"
 
 enum { GUARD = 4096 };
 
@@ -70,6 +72,20 @@ int main(int argc, char **argv) {
                 return 1;
             }
             used[p] = 1;
+        }
+        if (op == OP_UNZIGZAG_ADD) { /* the kernels: the stored diff from the values, and back */
+            uint8_t *z = malloc(nbytes), *d = malloc(nbytes);
+            const size_t n = nbytes / h.typesize;
+            if (decode(&h, frame, flen, z, OP_STORE, path_for(-1), tmp)) return 1;
+            zigzag_diff(d, after, before, n, h.typesize);
+            memcpy(out, before, nbytes);
+            unzigzag_add(out, z, n, h.typesize);
+            if (memcmp(d, z, nbytes) || memcmp(out, after, nbytes)) {
+                fprintf(stderr, "%s: the zigzag kernels: other bits\n", argv[a]);
+                return 1;
+            }
+            free(z);
+            free(d);
         }
         uint8_t *bad = malloc(flen);
         for (int i = 0; i < 200; i++, mutated++) {
