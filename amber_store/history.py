@@ -24,7 +24,7 @@ from . import shards, validation
 from .errors import (ConcurrentWriterError, CorruptDataError, FormatVersionError, NotAnAmberStoreError, PinNotFoundError,
                      StepNotFoundError, StepOrderError, StorageAccessError)
 from .format import Manifest, TensorEntry
-from .runtime import gather
+from .runtime import REQUESTS_AT_ONCE, gather
 from .storage import Backend, storage_errors
 
 PINS_DIR = "pins"
@@ -543,15 +543,17 @@ class History:
         steps = await self.steps()
         if not steps:
             return []
-        spent = []
+        keys = []
         async for name in self.backend.list_dir(fmt.CLAIMS_DIR):
             found = CLAIM_NAME.fullmatch(name)
-            if found is None or (found.group(1) != "start" and int(found.group(1)) >= steps[-1]):
-                continue
-            raw = await self.backend.get(f"{fmt.CLAIMS_DIR}/{name}")
+            if found is not None and (found.group(1) == "start" or int(found.group(1)) < steps[-1]):
+                keys.append(f"{fmt.CLAIMS_DIR}/{name}")
+        spent = []
+        raws = await gather((self.backend.get(k) for k in keys), limit=REQUESTS_AT_ONCE)
+        for key, raw in zip(keys, raws):
             claim = _claim_of(raw.tobytes()) if raw is not None else None
             if raw is not None and (claim is None or time.time() - claim["time"] > CLAIM_GRACE_SECONDS):
-                spent.append(f"{fmt.CLAIMS_DIR}/{name}")
+                spent.append(key)
         return sorted(spent)
 
     async def _dead(self, claim: dict[str, Any]) -> bool:

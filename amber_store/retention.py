@@ -21,7 +21,6 @@ Interrupted anywhere, every kept step still loads, and running ``gc`` again fini
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import errno
 import time
@@ -35,7 +34,7 @@ from . import format as fmt
 from .format import Manifest
 from .errors import StorageAccessError
 from .history import GRACE_SECONDS, GROUP_NAME, History
-from .runtime import gather, sync
+from .runtime import REQUESTS_AT_ONCE, gather, sync
 from .storage import storage_errors
 
 if TYPE_CHECKING:
@@ -162,10 +161,21 @@ def select(history: History, retention: Retention | None, steps: list[int]) -> l
     """The steps to keep: those ``retention`` preserves, every pinned step, and the latest."""
     if retention is None:
         return list(steps)
-    pinned = set(sync(history.pins()).values())
-    infos = [StepInfo(s, sync(history.manifest(s)).extra.get("metrics", {}), s in pinned) for s in steps]
+
+    async def metrics(step: int) -> dict[str, Any]:  # (only these kept: every step is read)
+        return (await history.manifest(step)).extra.get("metrics", {})
+
+    pins, metrics_of = sync(gather([history.pins(), gather((metrics(s) for s in steps), limit=REQUESTS_AT_ONCE)]))
+    pinned = set(pins.values())
+    infos = [StepInfo(s, m, s in pinned) for s, m in zip(steps, metrics_of)]
     keep = AnyOf(retention, Pinned(), LatestN(1)).should_preserve(infos)
     return [s for s, k in zip(steps, keep) if k]
+
+
+async def _manifests(history: History, steps: Sequence[int]) -> list[Manifest]:
+    """The manifests of ``steps``, :data:`~amber_store.runtime.REQUESTS_AT_ONCE` read at a time
+    (on an object store a round trip each, which one after another added up to seconds)."""
+    return await gather((history.manifest(s) for s in steps), limit=REQUESTS_AT_ONCE)
 
 
 async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[int]:
@@ -191,12 +201,14 @@ def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool =
     t0 = time.perf_counter()
     history = writer.history
     deleted = sorted(set(steps) - set(keep))
-    needed = {k: sync(_deleted_deps(history, k, set(deleted))) for k in keep}
-    folds = {k: _to_fold(sync(history.manifest(k)), set(deleted)) for k in keep}
+    manifests = sync(_manifests(history, keep))
+    deps = gather((_deleted_deps(history, k, set(deleted)) for k in keep), limit=REQUESTS_AT_ONCE)
+    needed = dict(zip(keep, sync(deps)))
+    folds = {k: _to_fold(m, set(deleted)) for k, m in zip(keep, manifests)}
     rewrite = [k for k in keep if folds[k]]
     report = GCReport(keep, deleted, rewrite, dry_run)
     if dry_run:  # what the sweep will find once the folds have replaced their steps' entries
-        kept = [_without(sync(history.manifest(k)), folds[k]) for k in keep]
+        kept = [_without(m, folds[k]) for k, m in zip(keep, manifests)]
         report.orphans, report.spared = sync(_unreferenced(history, kept, steps, grace_seconds))
         report.orphans = sorted(report.orphans + sync(history.spent_claims()))
         report.objects_removed = len(report.orphans)
@@ -245,8 +257,7 @@ def _drop(report: GCReport, history: History, steps: list[int], keep: list[int],
     for step in reversed(steps):
         sync(history.uncommit(step))
     history.forget()
-    manifests = [sync(history.manifest(s)) for s in keep]
-    garbage, report.spared = sync(_unreferenced(history, manifests, all_steps, grace_seconds))
+    garbage, report.spared = sync(_unreferenced(history, sync(_manifests(history, keep)), all_steps, grace_seconds))
     sync(_delete_all(history, garbage))
     report.orphans += garbage
     report.objects_removed += len(garbage)
@@ -385,10 +396,4 @@ def _is_chunk_of(key: str, arrays: set[str]) -> bool:
 
 
 async def _delete_all(history: History, keys: list[str]) -> None:
-    sem = asyncio.Semaphore(32)
-
-    async def one(k: str) -> None:
-        async with sem:
-            await history.backend.delete(k)
-
-    await gather(one(k) for k in keys)
+    await gather((history.backend.delete(k) for k in keys), limit=REQUESTS_AT_ONCE)

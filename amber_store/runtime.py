@@ -190,10 +190,22 @@ def _retrieved(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-async def gather(aws: Iterable[Any]) -> list[Any]:
-    """Await all, in order; on the first failure cancel the rest and wait for them, then raise
-    it, so no read (or delete) outlives the call that failed, nor reports to a closed loop at
-    exit."""
+#: metadata requests (manifests, claims, deletes) a bookkeeping pass keeps in flight at once
+REQUESTS_AT_ONCE = 32
+
+
+async def gather(aws: Iterable[Any], limit: int | None = None) -> list[Any]:
+    """Await all, in order, at most ``limit`` at once (``None``: all); on the first failure
+    cancel the rest and wait for them, then raise it, so no read (or delete) outlives the call
+    that failed, nor reports to a closed loop at exit."""
+    if limit is not None:
+        sem = asyncio.Semaphore(limit)
+
+        async def bounded(a: Awaitable[Any]) -> Any:
+            async with sem:
+                return await a
+
+        aws = [bounded(a) for a in aws]
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return await asyncio.gather(*tasks)

@@ -1,5 +1,5 @@
 """A proxy in front of an HTTP object store that relays requests, drops chosen answers and fails
-chosen requests.
+chosen requests, and can hold each request back a while (a distant server's latency).
 
 What a client sees when the server stored its request and the answer was lost on the way (a
 timeout, a reset connection): the request reaches the server, the server answers, and the proxy
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Callable
 from urllib.parse import urlsplit
 
@@ -39,15 +40,18 @@ def _answer(status: int) -> bytes:
 class FaultProxy:
     """Relays connections to ``upstream`` (``http://host:port``), dropping the answer to each
     request ``drop(method, path)`` picks, and answering each that ``fail`` picks itself with
-    ``status`` (500, or 409); :attr:`dropped` and :attr:`failed` list those requests."""
+    ``status`` (500, or 409); :attr:`dropped` and :attr:`failed` list those requests. Each
+    request waits ``delay`` seconds before it is relayed (requests on other connections wait
+    alongside: a round trip's latency, not a queue)."""
 
     def __init__(self, upstream: str, drop: Rule = lambda m, p: False, fail: Rule = lambda m, p: False,
-                 status: int = 500) -> None:
+                 status: int = 500, delay: float = 0.0) -> None:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.drop = drop
         self.fail = fail
         self.status = status
+        self.delay = delay
         self.dropped: list[tuple[str, str]] = []
         self.failed: list[tuple[str, str]] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -104,6 +108,8 @@ class FaultProxy:
                 if self.drop(method, path):
                     self.dropped.append((method, path))
                     dropping.set()
+                if self.delay:
+                    time.sleep(self.delay)
                 upstream.sendall(head + b"\r\n\r\n" + body)
         except OSError:
             _close(client, upstream)

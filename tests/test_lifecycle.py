@@ -452,3 +452,23 @@ def test_a_tensor_stored_full_by_a_fold_is_not_said_to_be_full_above():
     assert _full_in_delta(full, was, base, fold) == "stored full by gc, which deleted step(s) [2] of its chain"
     saved = TensorEntry("float32", [4], [4], "full", None, "steps/000000000003-s/w", [0], 16)  # its own save's group
     assert "no longer paid (full_above)" in _full_in_delta(saved, was, base, fold)
+
+
+def test_gc_bookkeeping_reads_keep_at_most_their_limit_in_flight_and_answer_in_order():
+    import asyncio
+
+    from amber_store.runtime import gather, sync
+
+    flight = {"now": 0, "most": 0}
+
+    async def read(i: int) -> int:
+        flight["now"] += 1
+        flight["most"] = max(flight["most"], flight["now"])
+        await asyncio.sleep(0.001 * (i % 3))
+        flight["now"] -= 1
+        return i
+
+    assert sync(gather((read(i) for i in range(100)), limit=7)) == list(range(100))
+    assert flight["most"] == 7
+    assert sync(gather(read(i) for i in range(100))) == list(range(100))
+    assert flight["most"] == 100  # (no limit: all at once)

@@ -1,0 +1,101 @@
+"""Retention on an object store: ``gc(keep_last=...)`` of a store of many steps on a real S3
+server (SeaweedFS) behind a proxy that holds each request back ``--latency`` seconds, as a
+distant object store's round trips do. Each trial saves a fresh store (``--steps`` steps of a
+small state, a full step every ``--full-every``), then times a dry run and the gc itself, in a
+process of its own; ``--before DIR`` runs the same trials with the amber_store of another
+checkout (``git worktree add DIR REV``), interleaved. Medians (and ranges) over trials.
+
+    python benchmarks/gc_bench.py --steps 40 --trials 3 --latency 0.02
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.faultproxy import FaultProxy  # noqa: E402
+from backends.s3servers import SeaweedFS  # noqa: E402
+from benchmarks.common import compiled, machine, rotated, table  # noqa: E402
+
+BUCKET = "amber-gc"
+CHILD = r"""
+import json, sys, time
+import torch
+import amber_store as amber
+uri, opts, steps, full_every, keep = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:6])
+g = torch.Generator().manual_seed(0)
+state = {f"t{i}": torch.randn(256, 256, generator=g) for i in range(8)}
+store = amber.open(uri, opts, full_every=full_every, pack_threshold=0)
+for step in range(1, steps + 1):
+    for t in state.values():
+        t.add_(1e-3 * torch.randn(t.shape, generator=g))
+    store.save(step, state)
+store.close()
+out = {}
+for what, dry in (("dry run", True), ("gc", False)):
+    store = amber.open(uri, opts)  # (a fresh process's view: no manifest cached)
+    t0 = time.perf_counter()
+    report = store.gc(keep_last=keep, dry_run=dry)
+    out[what] = time.perf_counter() - t0
+    out[what + " deleted"] = len(report.delete)
+    store.close()
+left = amber.open(uri, opts, mode="r")
+assert left.steps() == list(range(steps - keep + 1, steps + 1)), left.steps()
+assert torch.equal(left.load(steps, lazy=False)["t0"], state["t0"])
+print(json.dumps(out))
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--full-every", type=int, default=10)
+    p.add_argument("--keep", type=int, default=4, help="keep_last")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--latency", type=float, default=0.02, help="seconds each request is held back")
+    p.add_argument("--before", type=Path, help="a checkout whose amber_store runs the same trials too")
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
+    args = p.parse_args()
+    cases = ["amber"] + (["amber (before)"] if args.before else [])
+    compiled(Path(__file__).resolve().parents[1], *([args.before] if args.before else []))
+    got: dict[str, list[dict]] = {k: [] for k in cases}
+    with SeaweedFS() as server, FaultProxy(server.endpoint, delay=args.latency) as proxy:
+        server.create_bucket(BUCKET)
+        opts = {**server.storage_options(), "endpoint_url": proxy.endpoint}
+        for r in range(args.trials):
+            for kind in rotated(cases, r):
+                env = dict(os.environ)
+                if kind.endswith("(before)"):
+                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.before), env.get("PYTHONPATH")]))
+                proc = subprocess.run([sys.executable, "-c", CHILD, f"s3://{BUCKET}/{uuid.uuid4().hex}", json.dumps(opts),
+                                       str(args.steps), str(args.full_every), str(args.keep)],
+                                      capture_output=True, text=True, env=env, cwd="/")
+                if proc.returncode != 0:
+                    raise SystemExit(proc.stderr[-3000:])
+                got[kind].append(json.loads(proc.stdout))
+    flags = f" --before {args.before}" if args.before else ""
+    print(f"`python benchmarks/gc_bench.py --steps {args.steps} --full-every {args.full_every} --keep {args.keep} "
+          f"--trials {args.trials} --latency {args.latency}{flags}`; machine: {machine()}; SeaweedFS on loopback, "
+          f"each request held back {args.latency * 1000:.0f} ms; {args.steps} steps of 8 fp32 256x256 tensors, "
+          f"gc keeping the last {args.keep}\n")
+
+    def spread(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+    print(table(["code", "dry run s", "gc s", "steps deleted"],
+                [[k, spread([x["dry run"] for x in got[k]]), spread([x["gc"] for x in got[k]]),
+                  str(got[k][0]["gc deleted"])] for k in cases]))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                         "results": got}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
