@@ -25,6 +25,7 @@ from .errors import (
     UnsafeStorageError,
     StateMismatchError,
     UnsafeValueError,
+    UnknownCodecError,
     UnsupportedStateError,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "UnsafeStorageError",
     "StateMismatchError",
     "UnsafeValueError",
+    "UnknownCodecError",
     "Store",
     "UnsupportedStateError",
     "XorDeltaCodec",

@@ -82,6 +82,11 @@ class UnsafeValueError(AmberError):
     with it, which loading never does."""
 
 
+class UnknownCodecError(AmberError, LookupError):
+    """A step names a delta codec (an extension encoding, docs/FORMAT.md) that this process does
+    not have: the package that provides it is not installed."""
+
+
 class CorruptDataError(AmberError):
     """Stored data failed its checksum, is missing, or cannot be read safely.
 

@@ -315,7 +315,7 @@ class History:
                                    step=m.step)
         try:
             entries, packs = fmt.fragments.decode(data, fmap.items(f), m.group, m.step,
-                                                  max_chunk=validation.MAX_CHUNK_BYTES, known=validation.ENCODINGS)
+                                                  max_chunk=validation.MAX_CHUNK_BYTES, known=validation.known_encoding)
             for name, pack in packs.items():
                 validation.check_pack(name, pack)
                 validation.check_key(pack["array"], f"{m.group}/")

@@ -19,8 +19,8 @@ import crc32c
 import numpy as np
 
 from . import format as fmt
-from .codecs import DELTA_ENCODINGS, decompress, fuses, scratch
-from .errors import CorruptDataError, StepNotFoundError
+from .codecs import decompress, delta_codec, fuses, scratch
+from .errors import CorruptDataError, StepNotFoundError, UnknownCodecError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
 from .history import History
 from .runtime import codec_pool, gather
@@ -194,7 +194,11 @@ class Reader:
             if payload is None:
                 continue  # an unchanged chunk: the delta is zero
             try:
-                codec = DELTA_ENCODINGS[le.encoding].for_entry(le)
+                cls = delta_codec(le.encoding)
+            except UnknownCodecError as exc:
+                raise UnknownCodecError(f"{self.history.uri}: step {s}, tensor {key!r}: {exc}") from None
+            try:
+                codec = cls.for_entry(le)
             except (KeyError, TypeError, ValueError, ArithmeticError) as exc:  # a store is untrusted input
                 raise self._corrupt(s, key, f"its {le.encoding} parameters are malformed ({exc!r})", idx) from None
             if not packed and padded == out.size and codec.fused_op and fuses(payload, out, codec.fused_op):

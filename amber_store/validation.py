@@ -33,6 +33,12 @@ MAX_TREE_DEPTH = 200
 
 _BAD_KEY = re.compile(r"[\x00-\x1f\\:]")
 ENCODINGS = ("full", "same", *fmt.DELTA_ENCODINGS)
+
+
+def known_encoding(name: Any) -> bool:
+    """Whether ``name`` is an encoding a manifest may name: the format's own, or an extension
+    encoding (its codec is looked up only when a tensor of it is read)."""
+    return isinstance(name, str) and (name in ENCODINGS or fmt.EXTENSION_ENCODING.fullmatch(name) is not None)
 _CONTAINERS = ("list", "tuple", "set", "frozenset")
 _LEAVES = ("value", "float", "bytes", "bytearray", "npy", "npscalar", "path", "dtype", "device", "size")
 
@@ -137,7 +143,7 @@ def check_entry(step: int, packs: dict[str, Any], e: fmt.TensorEntry) -> None:
     """Check one tensor entry of step ``step``, whose packs are ``packs``; raises :class:`Invalid`."""
     if not _named(e.dtype, fmt.ITEMSIZES):
         raise Invalid(f"dtype {e.dtype!r} is unknown")
-    if not _named(e.encoding, ENCODINGS):
+    if not known_encoding(e.encoding):
         raise Invalid(f"encoding {e.encoding!r} is unknown")
     shape, chunks = _ints(e.shape, "shape"), _ints(e.chunks, "chunks")
     if len(chunks) != len(shape):

@@ -80,7 +80,7 @@ def items_of(es: dict[str, TensorEntry]) -> list[fragments.Item]:
     return [fragments.Item(k, e.dtype, None if k.endswith("/bytes") else tuple(e.shape)) for k, e in sorted(es.items())]
 
 
-LIMITS = {"max_chunk": validation.MAX_CHUNK_BYTES, "known": validation.ENCODINGS}
+LIMITS = {"max_chunk": validation.MAX_CHUNK_BYTES, "known": validation.known_encoding}
 PACKS = {"pack-r0": {"array": "steps/000000000005-ab/pack-r0", "chunk": 1 << 20, "nbytes": 293, "index": [[0, 250]]}}
 
 

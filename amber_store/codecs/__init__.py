@@ -38,14 +38,15 @@ from .device import to_host
 from .entropy import ESCAPE, AnsBytesCodec, BlockDeltaCodec, CodedDelta, RatioDeltaCodec
 from .lossless import DiffDeltaCodec, LosslessDeltaCodec, XorDeltaCodec
 from .quantized import Pack4BytesCodec, QuantizedDeltaCodec, dequantize, pack4_decode, pack4_encode
-from .registry import DELTA_ENCODINGS, PRESETS, SERIALIZERS, CodecLike, CodecPolicy, Policy, codec_named
+from .registry import (DELTA_ENCODINGS, ENTRY_POINTS, PRESETS, SERIALIZERS, CodecLike, CodecPolicy, Policy, codec_named,
+                       delta_codec, register)
 from .sparse import SparseBytesCodec, SparseDeltaCodec, sparse_decode, sparse_encode, sparse_pack
 
 __all__ = [
-    "DELTA_ENCODINGS", "ESCAPE", "PRESETS", "SERIALIZERS", "AnsBytesCodec", "BlockDeltaCodec", "CodecLike",
+    "DELTA_ENCODINGS", "ENTRY_POINTS", "ESCAPE", "PRESETS", "SERIALIZERS", "AnsBytesCodec", "BlockDeltaCodec", "CodecLike",
     "CodecPolicy", "CodedDelta", "Compression", "Delta", "DeltaCodec", "DiffDeltaCodec", "ElementwiseDeltaCodec",
     "Finish", "HostDiff", "LosslessDeltaCodec", "Pack4BytesCodec", "Policy", "QuantizedDeltaCodec", "RatioDeltaCodec",
-    "Serializer", "Shuffle", "SparseBytesCodec", "SparseDeltaCodec", "XorDeltaCodec", "codec_named", "decompress",
-    "dequantize", "fuses", "pack4_decode", "pack4_encode", "scratch", "sparse_decode", "sparse_encode", "sparse_pack",
+    "Serializer", "Shuffle", "SparseBytesCodec", "SparseDeltaCodec", "XorDeltaCodec", "codec_named", "decompress", "delta_codec",
+    "dequantize", "fuses", "pack4_decode", "pack4_encode", "register", "scratch", "sparse_decode", "sparse_encode", "sparse_pack",
     "to_host",
 ]

@@ -1,13 +1,19 @@
 """The one registry of codecs: each delta codec by its manifest encoding and its zarr codec name
 (zarr's readers find them through entry points, :mod:`~.zarr_codecs`), the named codecs a
 store's ``codec=`` takes, the presets, and :class:`Policy`, which picks a tensor's codec.
-:mod:`amber_store.format` checks its list of encodings against this one (a test)."""
+:mod:`amber_store.format` checks its list of encodings against this one (a test). Codecs from
+outside amber-store join it by :func:`register` or by an entry point (:data:`ENTRY_POINTS`)."""
 
 from __future__ import annotations
 
 import fnmatch
+import importlib.metadata
+import inspect
+import threading
 from typing import Any, Sequence, Union
 
+from ..errors import UnknownCodecError
+from ..format import EXTENSION_ENCODING
 from .base import DeltaCodec
 from .entropy import AnsBytesCodec, BlockDeltaCodec, RatioDeltaCodec
 from .lossless import DiffDeltaCodec, XorDeltaCodec
@@ -15,11 +21,62 @@ from .quantized import Pack4BytesCodec, QuantizedDeltaCodec
 from .sparse import SparseBytesCodec, SparseDeltaCodec
 
 
-#: every delta codec by the encoding manifests name it by
-DELTA_ENCODINGS: dict[str, type[DeltaCodec]] = {c.encoding: c for c in (
-    XorDeltaCodec, DiffDeltaCodec, SparseDeltaCodec, QuantizedDeltaCodec, BlockDeltaCodec, RatioDeltaCodec)}
+#: the format's own delta codecs
+BUILT_IN: tuple[type[DeltaCodec], ...] = (
+    XorDeltaCodec, DiffDeltaCodec, SparseDeltaCodec, QuantizedDeltaCodec, BlockDeltaCodec, RatioDeltaCodec)
+#: every delta codec by the encoding manifests name it by: the built-in ones and those registered
+DELTA_ENCODINGS: dict[str, type[DeltaCodec]] = {c.encoding: c for c in BUILT_IN}
 #: the array-to-bytes codecs the delta codecs serialize with
 SERIALIZERS: tuple[type[Any], ...] = (SparseBytesCodec, Pack4BytesCodec, AnsBytesCodec)
+
+#: The entry point group where a package names the delta codecs it provides, by encoding:
+#: ``"acme.topk" = "acme_codecs:TopKCodec"`` under ``[project.entry-points."amber_store.codecs"]``.
+ENTRY_POINTS = "amber_store.codecs"
+_REGISTERING = threading.Lock()
+
+
+def register(codec: type[DeltaCodec]) -> type[DeltaCodec]:
+    """Add a delta codec class from outside amber-store (a call, or a class decorator): stores
+    then take its instances as ``codec=`` and read back what they wrote. Its ``encoding`` is an
+    extension encoding, ``<package>.<codec>`` (docs/FORMAT.md), and its ``name`` a zarr codec id
+    of its own. Another process reading such a step finds the class through an entry point of
+    the group :data:`ENTRY_POINTS` named by the encoding. Registering a class again does
+    nothing; another class under a taken encoding or name is refused. Returns ``codec``."""
+    if not (isinstance(codec, type) and issubclass(codec, DeltaCodec)) or inspect.isabstract(codec):
+        raise TypeError(f"{codec!r} is not a DeltaCodec class with every abstract method implemented")
+    encoding, name = getattr(codec, "encoding", None), getattr(codec, "name", None)
+    if not (isinstance(encoding, str) and EXTENSION_ENCODING.fullmatch(encoding)):
+        raise ValueError(f"{codec.__name__}.encoding is {encoding!r}: a codec from outside amber-store names "
+                         "itself '<package>.<codec>' (lowercase, dotted); the bare names are the format's own")
+    with _REGISTERING:
+        for other in DELTA_ENCODINGS.values():
+            if other is not codec and (other.encoding == encoding or other.name == name):
+                raise ValueError(f"{codec.__name__}: encoding {encoding!r} or zarr codec name {name!r} is "
+                                 f"{other.__module__}.{other.__qualname__}'s already")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{codec.__name__}.name (its zarr codec id) is {name!r}")
+        DELTA_ENCODINGS[encoding] = codec
+    return codec
+
+
+def delta_codec(encoding: str) -> type[DeltaCodec]:
+    """The codec class that reads a manifest's ``encoding``: the format's own, a registered one,
+    or one that an installed package names by entry point (imported now, then registered).
+    Raises :class:`~amber_store.errors.UnknownCodecError` if none does."""
+    found = DELTA_ENCODINGS.get(encoding)
+    if found is not None:
+        return found
+    if EXTENSION_ENCODING.fullmatch(encoding):  # (a crafted store's name imports no module: only
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINTS, name=encoding):  # installed ones)
+            codec = ep.load()
+            if getattr(codec, "encoding", None) != encoding:
+                raise UnknownCodecError(f"the entry point {encoding!r} = {ep.value!r} (group {ENTRY_POINTS!r}) loads "
+                                        f"{codec!r}, whose encoding is {getattr(codec, 'encoding', None)!r}")
+            return register(codec)
+    raise UnknownCodecError(f"encoding {encoding!r} is a delta codec this process does not have: install the "
+                            f"package that provides it (it names the codec under the entry point group "
+                            f"{ENTRY_POINTS!r}), or amber_store.codecs.register(<its class>) before loading")
+
 
 CodecLike = Union[str, DeltaCodec]
 CodecPolicy = Union[CodecLike, Sequence[tuple[str, CodecLike]]]
@@ -59,6 +116,10 @@ PRESETS: dict[str, list[tuple[str, DeltaCodec]]] = {
 
 def codec_named(codec: CodecLike) -> DeltaCodec:
     if isinstance(codec, DeltaCodec):
+        if DELTA_ENCODINGS.get(getattr(codec, "encoding", None)) is not type(codec):
+            raise ValueError(f"{type(codec).__name__} is not a registered codec: its steps would not load (a reader "
+                             f"decodes encoding {getattr(codec, 'encoding', None)!r} by the class registered for it); "
+                             "amber_store.codecs.register() it, with an encoding of its own")
         return codec
     try:
         return _NAMED[codec]

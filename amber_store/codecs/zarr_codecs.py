@@ -15,7 +15,7 @@ from typing import Any
 from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec
 
 from .base import DeltaCodec
-from .registry import DELTA_ENCODINGS, SERIALIZERS
+from .registry import BUILT_IN, SERIALIZERS
 
 
 async def _pass_through(self: Any, chunk_array: Any, chunk_spec: Any) -> Any:
@@ -26,7 +26,10 @@ def _same_size(self: Any, input_byte_length: int, _chunk_spec: Any) -> int:
     return input_byte_length
 
 
-def _zarr_codec(cls: type[Any]) -> type[Any]:
+def zarr_codec(cls: type[Any]) -> type[Any]:
+    """``cls`` (a delta codec or a serializer) as a zarr codec class. A package providing its own
+    codec names ``zarr_codec(ItsCodec)``, assigned in one of its modules, under the entry point
+    group ``zarr.codecs`` by the codec's ``name``, for zarr's own readers."""
     if issubclass(cls, DeltaCodec):
         methods = {"_encode_single": _pass_through, "_decode_single": _pass_through,
                    "compute_encoded_size": _same_size}
@@ -35,6 +38,6 @@ def _zarr_codec(cls: type[Any]) -> type[Any]:
 
 
 #: zarr codec name -> its zarr codec class
-ZARR_CODECS: dict[str, type[Any]] = {c.name: _zarr_codec(c) for c in (*DELTA_ENCODINGS.values(), *SERIALIZERS)}
+ZARR_CODECS: dict[str, type[Any]] = {c.name: zarr_codec(c) for c in (*BUILT_IN, *SERIALIZERS)}
 # (each an attribute of this module by its class name: what the entry points name)
 globals().update({c.__name__: c for c in ZARR_CODECS.values()})

@@ -18,7 +18,7 @@ from typing import Any
 from .layout import (  # noqa: F401
     FORMAT_NAME, FORMAT_VERSION, ROOT_ATTR, COMMITS_DIR, CLAIMS_DIR, STEPS_DIR, DEFAULT_CHUNK_BYTES,
     LOSSY_CHUNK_BYTES, PACK_CHUNK_BYTES, DEFAULT_PACK_THRESHOLD, PACK_ALIGN, PACK_PREFIX, Encoding,
-    DELTA_ENCODINGS, SERIALIZERS, commit_key, claim_key, parse_commit_key, step_group, group_metadata,
+    DELTA_ENCODINGS, EXTENSION_ENCODING, SERIALIZERS, commit_key, claim_key, parse_commit_key, step_group, group_metadata,
     array_name, regular_chunk_grid, sharded_array_metadata, shard_key, shard_index, step_group_metadata,
 )
 from .dtypes import (  # noqa: F401

@@ -22,7 +22,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import crc32c
 import numpy as np
@@ -105,11 +105,11 @@ def encode(entries: dict[str, TensorEntry], packs: dict[str, Any]) -> bytes:
 
 
 def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chunk: int,
-           known: Sequence[str]) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+           known: Callable[[str], bool]) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
     """The entries (by key) and packs of the fragment in ``data``, whose items the index says
     are ``items`` (in key order), written into ``group`` at ``step`` (a ``same`` entry's
     ``crc32c`` left empty: its base's are its own), each checked as a
-    manifest's entries are (:mod:`amber_store.validation`: ``known`` encodings, chunks and
+    manifest's entries are (:mod:`amber_store.validation`: encodings ``known`` says are, chunks and
     packed items of at most ``max_chunk`` bytes, bases earlier steps, pack locations inside the
     fragment's packs; its packs' own records are the caller's to check). Raises :class:`Invalid`."""
     try:
@@ -138,9 +138,9 @@ def decode(data: bytes, items: Sequence[Item], group: str, step: int, *, max_chu
             and isinstance(params, dict)
             and all(isinstance(v, dict) for v in params.values()) and isinstance(shapes, dict)):
         raise Invalid("its header is malformed")
-    unknown = set(encodings) - set(known)
+    unknown = sorted(x for x in encodings if not known(x))
     if unknown:
-        raise Invalid(f"encoding {sorted(unknown)[0]!r} is unknown")
+        raise Invalid(f"encoding {unknown[0]!r} is unknown")
     items = [it if it.shape is not None else Item(it.key, it.dtype, _length(shapes.get(str(i)), it.key))
              for i, it in enumerate(items)]
     if header.get("described") != described(items):

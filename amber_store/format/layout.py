@@ -63,6 +63,11 @@ DELTA_ENCODINGS: dict[str, tuple[str, int]] = {
     "xor": ("amber.xor_delta", 1), "sparse": ("amber.sparse_delta", 2), "quant": ("amber.quantized_delta", 2),
     "block": ("amber.block_delta", 5), "ratio": ("amber.ratio_delta", 5), "diff": ("amber.diff_delta", 6),
 }
+#: An extension encoding: a delta codec from outside amber-store, named ``<package>.<codec>``
+#: (lowercase and dotted; the bare names above are the format's own). Its arrays name the codec's
+#: own zarr codec; a reader finds the codec through the entry point group ``amber_store.codecs``
+#: (:func:`amber_store.codecs.register`), or refuses the tensor naming the encoding.
+EXTENSION_ENCODING = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+")
 #: The array-to-bytes codecs delta arrays name, and the format version that introduced each.
 SERIALIZERS: dict[str, int] = {"amber.sparse": 2, "amber.pack4": 2, "amber.ans": 5}
 
