@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compiled, machine, rotated, table  # noqa: E402
+from benchmarks.common import compiled, machine, rotated, spread, table  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
@@ -102,10 +102,6 @@ def child(kind: str, root: Path, repeats: int, before: Path | None = None) -> di
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     return json.loads(proc.stdout)
-
-
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compiled, machine, rotated, table  # noqa: E402
+from benchmarks.common import compiled, machine, rotated, spread, table  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
@@ -68,10 +68,6 @@ def child(kind: str, root: Path, mb: int, codec: str, before: Path | None) -> di
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     return json.loads(proc.stdout)
-
-
-def spread(xs: list[float], fmt: str = ".3f") -> str:
-    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
 
 
 def main() -> None:

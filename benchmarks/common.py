@@ -38,6 +38,13 @@ def rotated(items: list[T], round_: int) -> list[T]:
     return items[k:] + items[:k]
 
 
+def spread(xs: list[float], fmt: str = ".3f") -> str:
+    """``median (min-max)`` of ``xs``."""
+    import statistics
+
+    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
+
+
 def compiled(*checkouts: Any) -> None:
     """Byte-compile the amber_store package of each checkout (a directory) that the benchmark's
     fresh processes import, as pip does at install: where PYTHONDONTWRITEBYTECODE is set (these

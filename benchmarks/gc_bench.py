@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import uuid
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.faultproxy import FaultProxy  # noqa: E402
 from backends.s3servers import SeaweedFS  # noqa: E402
-from benchmarks.common import compiled, machine, rotated, table  # noqa: E402
+from benchmarks.common import compiled, machine, rotated, spread, table  # noqa: E402
 
 BUCKET = "amber-gc"
 CHILD = r"""
@@ -86,11 +85,8 @@ def main() -> None:
           f"--trials {args.trials} --latency {args.latency}{flags}`; machine: {machine()}; SeaweedFS on loopback, "
           f"each request held back {args.latency * 1000:.0f} ms; {args.steps} steps of 8 fp32 256x256 tensors, "
           f"gc keeping the last {args.keep}\n")
-
-    def spread(xs: list[float]) -> str:
-        return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
     print(table(["code", "dry run s", "gc s", "steps deleted"],
-                [[k, spread([x["dry run"] for x in got[k]]), spread([x["gc"] for x in got[k]]),
+                [[k, spread([x["dry run"] for x in got[k]], ".2f"), spread([x["gc"] for x in got[k]], ".2f"),
                   str(got[k][0]["gc deleted"])] for k in cases]))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
