@@ -22,7 +22,8 @@ except ImportError:
     _blosc1 = None
 
 #: The native decoder's path every decode takes (``AMBER_DECODE_PATH``: one of ``_blosc1.paths``,
-#: or ``c-blosc`` to leave every chunk to c-blosc; to time or test a path on a CPU that runs a
+#: or ``c-blosc`` to run as a machine without the native extension does: c-blosc decodes every
+#: chunk, torch's ops apply the lossless diffs; to time or test a path on a CPU that runs a
 #: faster one); ``None``: the fastest this CPU runs for each chunk's elements.
 _PATH = os.environ.get("AMBER_DECODE_PATH") or None
 if _PATH == "c-blosc":

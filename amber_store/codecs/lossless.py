@@ -11,13 +11,14 @@ import numpy as np
 import torch
 
 from ..format import TensorEntry, bits_to_numpy, to_bits
+from . import compression
 from .base import Delta, ElementwiseDeltaCodec, Finish, Shuffle
 from .device import to_host
 
-try:  # the diff's host kernels, built with the native decoder (native/zigzag.c)
-    from ._blosc1 import unzigzag_add, zigzag_diff
-except ImportError:  # (no C compiler at install: torch's ops on the CPU, the same bits)
-    unzigzag_add = zigzag_diff = None
+# the diff's host kernels, built with the native decoder (native/zigzag.c); without them (no C
+# compiler at install, or AMBER_DECODE_PATH=c-blosc), torch's ops on the CPU: the same bits
+zigzag_diff, unzigzag_add = ((compression._blosc1.zigzag_diff, compression._blosc1.unzigzag_add)
+                             if compression._blosc1 is not None else (None, None))
 
 
 @dataclass(frozen=True)
