@@ -44,6 +44,13 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.json and sys.stderr.isatty()
 
 
+def _usage(history: Any) -> Any:
+    """What ``history``'s store holds (:class:`~amber_store.usage.Usage`)."""
+    from .usage import Usage
+
+    return Usage(history)
+
+
 def _history(args: argparse.Namespace) -> Any:
     """The store's commits, read only, for commands that read no tensor: no torch import."""
     from .history import History
@@ -97,7 +104,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
         print(f"{r['step']:>10} {r['kind']:>5} {base:>10} {r['created']:>19} {_human(r['nbytes_raw']):>10} "
               f"{_human(r['nbytes_stored']):>10} {ratio:>8} {r['tensors']:>7}  {','.join(r['pins'])}")
-    stray = _sync(history.uncommitted())
+    stray = _sync(_usage(history).uncommitted())
     if stray["attempts"] or stray["uploads"]:
         print(_strays(args, stray))
     return 0
@@ -128,7 +135,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         if not steps:
             raise amber_errors.StepNotFoundError(f"{history.uri}: the store is empty (no committed step)")
         step = steps[-1]
-    info = _sync(history.info(step))
+    info = _sync(_usage(history).info(step))
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -172,7 +179,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .history import GRACE_SECONDS
+    from .usage import GRACE_SECONDS
 
     grace = GRACE_SECONDS if args.grace is None else args.grace
     report = _open(args, mode="a").gc(args.keep_last, args.keep_every, dry_run=args.dry_run, grace_seconds=grace)
@@ -240,7 +247,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_du(args: argparse.Namespace) -> int:
-    du = _sync(_history(args).du())
+    du = _sync(_usage(_history(args)).du())
     if args.json:
         print(json.dumps(du, indent=1))
         return 0

@@ -33,7 +33,8 @@ import torch
 from . import format as fmt
 from .format import Manifest
 from .errors import StorageAccessError
-from .history import GRACE_SECONDS, GROUP_NAME, History
+from .history import GROUP_NAME, History
+from .usage import GRACE_SECONDS, Usage
 from .runtime import REQUESTS_AT_ONCE, gather, sync
 from .storage import storage_errors
 
@@ -370,7 +371,7 @@ async def _unreferenced(history: History, manifests: list[Manifest], all_steps: 
             continue  # not ours
         if int(m.group(1)) > latest:
             if group not in spared:
-                spared[group] = await history.maybe_in_progress(f"{fmt.STEPS_DIR}/{group}", grace_seconds)
+                spared[group] = await Usage(history).maybe_in_progress(f"{fmt.STEPS_DIR}/{group}", grace_seconds)
             if spared[group]:
                 continue
         if key.endswith("/zarr.json") and key[: -len("/zarr.json")] in dirs:

@@ -29,7 +29,7 @@ from . import shards, validation
 from .errors import (AmberError, CorruptDataError, InvalidURIError, NotAnAmberStoreError, StateMismatchError,
                      StepNotFoundError, StepOrderError, StorageAccessError, warn)
 from .format import Manifest
-from .history import GRACE_SECONDS, History
+from .history import History
 from .background import Background
 from .lazy import LazyStateDict, LazyTensor, destinations, materialize
 from .reader import Reader, ReadSession
@@ -37,6 +37,7 @@ from .runtime import gather, interruptible, return_free_memory, sync
 from .snapshot import Snapshots
 from .storage import Backend, connect, is_storage_error, storage_errors
 from .options import Options
+from .usage import GRACE_SECONDS, Usage
 from .writer import Writer
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class Store:
 
     def _warn_of_strays(self) -> None:
         """Say once, at a writable open, what dead saves or gc runs left (gc would delete it)."""
-        strays = [a for a in sync(self.history.stray_attempts()) if not a.maybe_saving]
+        strays = [a for a in sync(Usage(self.history).stray_attempts()) if not a.maybe_saving]
         if strays:
             steps = sorted({a.step for a in strays})
             shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
@@ -166,7 +167,7 @@ class Store:
 
     def info(self, step: int) -> dict[str, Any]:
         """Kind, base, chain and per-tensor bytes of a committed step, as plain data."""
-        return sync(self.history.info(step))
+        return sync(Usage(self.history).info(step))
 
     # --- saving -------------------------------------------------------------------------
 
@@ -363,7 +364,7 @@ class Store:
         """Stored bytes by step and by top-level group of the state (``model``, ``optim``, ...),
         and what the whole location occupies (``storage``: objects, bytes, allocated disk
         blocks; uncommitted leftovers and metadata included)."""
-        return sync(self.history.du())
+        return sync(Usage(self.history).du())
 
     def _require_writable(self) -> None:
         if self.mode == "r":

@@ -13,7 +13,7 @@ DCP save, gc's folds):
 
 An attempt that fails before its commit (an error, a deadline, an interrupt) is deleted
 (:meth:`Writer.abandon`) where it is known never to be committed and the storage answers; what
-a killed process leaves is gc's, and :meth:`History.stray_attempts` reports it.
+a killed process leaves is gc's, and :meth:`Usage.stray_attempts <amber_store.usage.Usage.stray_attempts>` reports it.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from amber_store.runtime import sync  # noqa: E402
 
 import amber_store as amber  # noqa: E402
+from amber_store.usage import Usage  # noqa: E402
 from backends.process import free_port  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 
@@ -82,7 +83,7 @@ def main() -> None:
     print(f"rank {args.victim} SIGKILLed mid-save; the {len(waits)} others failed after "
           f"{min(waits):.1f}-{max(waits):.1f} s: {first.split('save failed as expected: ')[1].splitlines()[0][:300]}")
     store = amber.open(uri, mode="r")
-    strays = sync(store.history.stray_attempts(grace_seconds=0))
+    strays = sync(Usage(store.history).stray_attempts(grace_seconds=0))
     print(f"committed: {store.steps()}; the killed save's attempt: {[a.group for a in strays]}")
     assert store.steps() == [10] and len(strays) == 1
     t0 = time.perf_counter()
@@ -93,7 +94,7 @@ def main() -> None:
     expected = torch.load(out / "expected_10.pt", weights_only=True)
     assert equal(resumed, expected), "resumed state differs"
     store = amber.open(uri, mode="r")
-    assert store.steps() == [10, 20] and sync(store.history.stray_attempts(grace_seconds=0)) == []
+    assert store.steps() == [10, 20] and sync(Usage(store.history).stray_attempts(grace_seconds=0)) == []
     print(f"resumed state (model, AdamW, step) bit-exact against step 10's; committed now {store.steps()}, "
           "no stray attempt left")
 

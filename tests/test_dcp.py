@@ -28,6 +28,7 @@ from conftest import (BUCKET, CountingStore, all_keys, assert_bit_equal, assert_
                       is_data_key)
 from zarr.abc.store import RangeByteRequest
 from amber_store.runtime import sync
+from amber_store.usage import Usage
 from zarr.storage import LocalStore
 
 WORKER = Path(__file__).parent / "dcp_workers.py"
@@ -453,14 +454,14 @@ def test_a_rank_killed_mid_save_fails_the_others_at_once_and_a_job_on_fewer_rank
         assert seconds < 30, out  # the dead peer is noticed, not waited for (gloo: 60 s timeout)
     store = amber.open(uri, mode="r")
     assert store.steps() == [10]
-    strays = [a.group for a in sync(store.history.stray_attempts(grace_seconds=0))]
+    strays = [a.group for a in sync(Usage(store.history).stray_attempts(grace_seconds=0))]
     assert len(strays) == 1 and strays[0].startswith("steps/000000000020-")
     outs = launch("fsdp_resume", 3, uri, {"out": str(tmp_path)})
     assert "resumed at step 10, saved step 20" in outs[0]
     assert_tree_bit_equal(torch.load(tmp_path / "resumed_3.pt", weights_only=True),
                           torch.load(tmp_path / "expected_10.pt", weights_only=True))
     store = amber.open(uri, mode="r")
-    assert store.steps() == [10, 20] and sync(store.history.stray_attempts(grace_seconds=0)) == []
+    assert store.steps() == [10, 20] and sync(Usage(store.history).stray_attempts(grace_seconds=0)) == []
     assert not (tmp_path / "ckpt" / strays[0]).exists()
 
 

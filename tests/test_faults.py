@@ -28,6 +28,7 @@ from amber_store.runtime import event_loop
 from amber_store.storage import resolve
 from amber_store.storage import local
 from amber_store.storage.local import MAP_MIN_BYTES
+from amber_store.usage import Usage
 from amber_store.writer import Writer
 from conftest import flip_stored_byte, is_data_key, stored_chunk, save_at_once, assert_bit_equal, assert_tree_bit_equal
 
@@ -566,7 +567,7 @@ def test_ctrl_c_mid_save_deletes_the_attempt_and_a_second_one_exits_with_one_tra
     assert first.count("Traceback") == 1 and first.rstrip().endswith("KeyboardInterrupt"), err
     assert "During handling" not in err and "Exception ignored in: <module 'threading'>" not in err, err
     # (the cleanup takes milliseconds: a second Ctrl-C, which cuts its wait to 2 s, finds it done)
-    assert sync(History(resolve(str(tmp_path / "ckpt"))).stray_attempts()) == []
+    assert sync(Usage(History(resolve(str(tmp_path / "ckpt")))).stray_attempts()) == []
     assert amber.open(tmp_path / "ckpt", mode="r").steps()
 
 
@@ -575,6 +576,7 @@ import asyncio, os, signal, sys, threading, time, torch, amber_store as amber
 from amber_store.history import History
 from amber_store.runtime import sync
 from amber_store.storage import local, resolve
+from amber_store.usage import Usage
 uri, stage = sys.argv[1], sys.argv[2]
 store = amber.open(uri)
 store.save(1, {"w": torch.ones(1000)})
@@ -601,7 +603,7 @@ try:
 except KeyboardInterrupt:
     print("interrupted")
 time.sleep(0.5)  # (a write that outlived the save would land meanwhile)
-print(amber.open(uri, mode="r").steps(), len(sync(History(resolve(uri)).stray_attempts())))
+print(amber.open(uri, mode="r").steps(), len(sync(Usage(History(resolve(uri))).stray_attempts())))
 """
 
 
@@ -657,7 +659,7 @@ def test_ctrl_c_as_a_save_is_handed_to_the_event_loop_leaves_no_attempt_and_the_
     with pytest.raises(KeyboardInterrupt):
         store.save(2, {"w": torch.full((8,), 2.0)})
     monkeypatch.undo()
-    assert sync(History(resolve(str(tmp_path / "ckpt"))).stray_attempts()) == []
+    assert sync(Usage(History(resolve(str(tmp_path / "ckpt")))).stray_attempts()) == []
     store.save(2, {"w": torch.full((8,), 3.0)})
     assert_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2)["w"], torch.full((8,), 3.0))
 
@@ -686,7 +688,7 @@ def test_a_second_ctrl_c_as_the_cancel_is_handed_over_still_cancels_the_save_and
     monkeypatch.undo()
     assert second
     assert store.steps() == [1]  # cancelled, not committed behind the caller's back
-    assert sync(History(resolve(str(tmp_path / "ckpt"))).stray_attempts()) == []
+    assert sync(Usage(History(resolve(str(tmp_path / "ckpt")))).stray_attempts()) == []
     store.save(2, {"w": torch.full((8,), 3.0)})
     assert_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2)["w"], torch.full((8,), 3.0))
 
@@ -710,7 +712,7 @@ def test_what_a_killed_save_leaves_is_reported_by_ls_du_and_the_next_writable_op
     time.sleep(1.0)
     proc.kill()
     proc.communicate(timeout=60)
-    [stray] = sync(History(resolve(uri)).stray_attempts())
+    [stray] = sync(Usage(History(resolve(uri))).stray_attempts())
     assert stray.maybe_saving  # newer than the latest step, young: a save may be writing it
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -732,7 +734,7 @@ def test_what_a_killed_save_leaves_is_reported_by_ls_du_and_the_next_writable_op
     on_disk = sum(f.stat().st_size for f in (tmp_path / "ckpt" / stray.group).rglob("*") if f.is_file())
     assert du["uncommitted"] == {"attempts": 1, "maybe_saving": 0, "bytes": on_disk, "uploads": 0}
     store.gc()
-    assert sync(History(resolve(uri)).stray_attempts()) == []
+    assert sync(Usage(History(resolve(uri))).stray_attempts()) == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         amber.open(uri)

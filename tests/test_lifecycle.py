@@ -443,7 +443,7 @@ def test_a_tensor_stored_full_by_a_fold_is_not_said_to_be_full_above():
     from types import SimpleNamespace
 
     from amber_store.format import TensorEntry
-    from amber_store.history import _full_in_delta
+    from amber_store.usage import _full_in_delta
 
     was = TensorEntry("float32", [4], [4], "full", None, "steps/000000000001-a/w", [0], 16)
     full = TensorEntry("float32", [4], [4], "full", None, "steps/000000000003-f/w", [0], 16)
