@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compiled, machine, rotated, spread, table  # noqa: E402
+from benchmarks.common import BEFORE, compiled, fresh_process, machine, rotated, spread, table  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
@@ -66,7 +64,6 @@ print(json.dumps({"imports": imports, "loads": out}))
 CASES = ["torch.load", "full step", "delta step"]
 #: loads into the tensors of a model built before them (``load(into=...)``; torch.load, then copied)
 INTO = ["torch.load into a model", "delta step into a model"]
-BEFORE = " (before)"
 
 
 def prepare(root: Path, mb: int, dtype) -> None:
@@ -90,18 +87,12 @@ def child(kind: str, root: Path, repeats: int, before: Path | None = None) -> di
     """``kind``'s loads in a fresh process; a kind ending in " (before)" by ``before``'s amber_store
     (found first on the path: the child runs from the store's directory, not from a checkout); one
     ending in " [PATH]" decoding by that path (``AMBER_DECODE_PATH``)."""
-    env = dict(os.environ)
+    env = {}
     if kind.endswith("]"):
         kind, path = kind[:-1].split(" [")
         env["AMBER_DECODE_PATH"] = path
-    if kind.endswith(BEFORE):
-        kind = kind.removesuffix(BEFORE)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", CHILD, kind, str(root), str(repeats)], capture_output=True,
-                          text=True, env=env, cwd=root)
-    if proc.returncode != 0:
-        raise SystemExit(proc.stderr[-3000:])
-    return json.loads(proc.stdout)
+    return fresh_process(CHILD, kind.removesuffix(BEFORE), root, repeats, env=env, cwd=root,
+                         before=before if kind.endswith(BEFORE) else None)
 
 
 def main() -> None:

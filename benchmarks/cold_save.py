@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compiled, machine, rotated, spread, table  # noqa: E402
+from benchmarks.common import BEFORE, compiled, fresh_process, machine, rotated, spread, table  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
@@ -53,21 +51,13 @@ print(json.dumps({"first": first, "second": second, "numba": "numba" in sys.modu
                   "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 CASES = ["torch.save", "amber"]
-BEFORE = " (before)"
 
 
 def child(kind: str, root: Path, mb: int, codec: str, before: Path | None) -> dict:
-    env = dict(os.environ)
-    if kind.endswith(BEFORE):
-        kind = kind.removesuffix(BEFORE)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir()
-    proc = subprocess.run([sys.executable, "-c", CHILD, kind, str(root), str(mb), codec], capture_output=True,
-                          text=True, env=env, cwd=root)
-    if proc.returncode != 0:
-        raise SystemExit(proc.stderr[-3000:])
-    return json.loads(proc.stdout)
+    return fresh_process(CHILD, kind.removesuffix(BEFORE), root, mb, codec, cwd=root,
+                         before=before if kind.endswith(BEFORE) else None)
 
 
 def main() -> None:

@@ -38,6 +38,29 @@ def rotated(items: list[T], round_: int) -> list[T]:
     return items[k:] + items[:k]
 
 
+#: the suffix of a case run by another checkout's amber_store (a benchmark's ``--before``)
+BEFORE = " (before)"
+
+
+def fresh_process(code: str, *args: Any, before: Any = None, env: dict[str, str] | None = None,
+                  cwd: Any = None) -> Any:
+    """Run ``code`` with ``args`` in a fresh Python (``before``: with that checkout's amber_store
+    first on the path; ``env``: variables beside this process's); its stdout, parsed as JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **(env or {})}
+    if before is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=cwd)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    return json.loads(proc.stdout)
+
+
 def spread(xs: list[float], fmt: str = ".3f") -> str:
     """``median (min-max)`` of ``xs``."""
     import statistics

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -22,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.faultproxy import FaultProxy  # noqa: E402
 from backends.s3servers import SeaweedFS  # noqa: E402
-from benchmarks.common import compiled, machine, rotated, spread, table  # noqa: E402
+from benchmarks.common import BEFORE, compiled, fresh_process, machine, rotated, spread, table  # noqa: E402
 
 BUCKET = "amber-gc"
 CHILD = r"""
@@ -63,7 +61,7 @@ def main() -> None:
     p.add_argument("--before", type=Path, help="a checkout whose amber_store runs the same trials too")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
-    cases = ["amber"] + (["amber (before)"] if args.before else [])
+    cases = ["amber"] + ([f"amber{BEFORE}"] if args.before else [])
     compiled(Path(__file__).resolve().parents[1], *([args.before] if args.before else []))
     got: dict[str, list[dict]] = {k: [] for k in cases}
     with SeaweedFS() as server, FaultProxy(server.endpoint, delay=args.latency) as proxy:
@@ -71,15 +69,9 @@ def main() -> None:
         opts = {**server.storage_options(), "endpoint_url": proxy.endpoint}
         for r in range(args.trials):
             for kind in rotated(cases, r):
-                env = dict(os.environ)
-                if kind.endswith("(before)"):
-                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.before), env.get("PYTHONPATH")]))
-                proc = subprocess.run([sys.executable, "-c", CHILD, f"s3://{BUCKET}/{uuid.uuid4().hex}", json.dumps(opts),
-                                       str(args.steps), str(args.full_every), str(args.keep)],
-                                      capture_output=True, text=True, env=env, cwd="/")
-                if proc.returncode != 0:
-                    raise SystemExit(proc.stderr[-3000:])
-                got[kind].append(json.loads(proc.stdout))
+                got[kind].append(fresh_process(CHILD, f"s3://{BUCKET}/{uuid.uuid4().hex}", json.dumps(opts), args.steps,
+                                               args.full_every, args.keep, cwd="/",
+                                               before=args.before if kind.endswith(BEFORE) else None))
     flags = f" --before {args.before}" if args.before else ""
     print(f"`python benchmarks/gc_bench.py --steps {args.steps} --full-every {args.full_every} --keep {args.keep} "
           f"--trials {args.trials} --latency {args.latency}{flags}`; machine: {machine()}; SeaweedFS on loopback, "
