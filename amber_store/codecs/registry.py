@@ -48,13 +48,13 @@ def register(codec: type[DeltaCodec]) -> type[DeltaCodec]:
     if not (isinstance(encoding, str) and EXTENSION_ENCODING.fullmatch(encoding)):
         raise ValueError(f"{codec.__name__}.encoding is {encoding!r}: a codec from outside amber-store names "
                          "itself '<package>.<codec>' (lowercase, dotted); the bare names are the format's own")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{codec.__name__}.name (its zarr codec id) is {name!r}")
     with _REGISTERING:
         for other in DELTA_ENCODINGS.values():
             if other is not codec and (other.encoding == encoding or other.name == name):
                 raise ValueError(f"{codec.__name__}: encoding {encoding!r} or zarr codec name {name!r} is "
                                  f"{other.__module__}.{other.__qualname__}'s already")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{codec.__name__}.name (its zarr codec id) is {name!r}")
         DELTA_ENCODINGS[encoding] = codec
     return codec
 
