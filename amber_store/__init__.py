@@ -36,7 +36,7 @@ _LAZY = {
     "QuantizedDeltaCodec": "codecs", "SparseDeltaCodec": "codecs",
     "XorDeltaCodec": "codecs", "FORMAT_VERSION": "format", "LazyStateDict": "lazy", "LazyTensor": "lazy",
     "materialize": "lazy", "CommitInfo": "store", "Store": "store", "open": "store",
-    "CheckpointManager": "manager", "Options": "options",
+    "CheckpointManager": "manager", "Options": "options", "import_checkpoint": "importer",
 }
 
 
@@ -86,6 +86,7 @@ __all__ = [
     "Store",
     "UnsupportedStateError",
     "XorDeltaCodec",
+    "import_checkpoint",
     "materialize",
     "open",
 ]

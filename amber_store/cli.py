@@ -238,7 +238,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    info = _open(args, mode="a").import_checkpoint(args.step, args.input, format=args.format, subtree=args.subtree)
+    from .importer import import_checkpoint
+
+    info = import_checkpoint(_open(args, mode="a"), args.step, args.input, format=args.format, subtree=args.subtree)
     if args.json:
         print(json.dumps({"step": info.step, "nbytes_raw": info.nbytes_raw, "nbytes_stored": info.nbytes_stored}))
     else:

@@ -564,9 +564,12 @@ def import_checkpoint(store: Store, step: int, path: str | os.PathLike[str]) -> 
     ``step`` of ``store``, as a DCP step (each tensor one shard), so that it opens as a state
     dict and ``dcp.load`` reshards it onto any number of ranks. Values are read with
     ``weights_only=True``. Holds the whole checkpoint in memory once."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise NotAnAmberStoreError(f"{path}: a directory without DCP's .metadata; import reads a torch.save or "
+                                   "safetensors file, or a torch.distributed.checkpoint directory")
     state: dict[str, Any] = {}
     writer = AmberStorageWriter(store, step=step, full=True)
-    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent
+    with store.writing(), warnings.catch_warnings():  # (warnings: "torch.distributed is disabled ...": one process is the intent)
         warnings.simplefilter("ignore", UserWarning)
         try:
             load_state_dict(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_SafeValuesPlanner(),

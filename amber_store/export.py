@@ -1,5 +1,5 @@
 """Checkpoints in and out of standard formats: safetensors and torch.save files. Files only: the
-store's ``export`` and ``import_checkpoint`` load and save the states."""
+store's ``export`` and :func:`amber_store.import_checkpoint` load and save the states."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ visible step and never touches committed data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -18,7 +19,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 
 from . import format as fmt
 from . import shards, validation
-from .errors import (AmberError, CorruptDataError, InvalidURIError, NotAnAmberStoreError, StateMismatchError,
+from .errors import (AmberError, CorruptDataError, InvalidURIError, StateMismatchError,
                      StepNotFoundError, StepOrderError, StorageAccessError, warn)
 from .format import Manifest
 from .history import History
@@ -337,28 +338,15 @@ class Store:
 
         return export_.export(self.load(step), step, path, format=format, subtree=subtree)  # type: ignore[arg-type]
 
-    def import_checkpoint(self, step: int, path: str | os.PathLike[str], *, format: str | None = None,
-                          subtree: str | None = None) -> CommitInfo:
-        """Save an existing checkpoint as a full ``step``: a ``torch.save`` or safetensors file
-        (a safetensors file under ``subtree``, by default the one :meth:`export` recorded in it;
-        see :func:`amber_store.export.read`), or a torch.distributed.checkpoint directory
-        (``FileSystemWriter``'s), which becomes a sharded step (see
-        :func:`amber_store.dcp.import_checkpoint`)."""
-        if not os.path.isdir(path):
-            from . import export as export_
-
-            return self.save(step, export_.read(path, format=format, subtree=subtree), full=True)  # type: ignore[arg-type]
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise NotAnAmberStoreError(f"{path}: a directory without DCP's .metadata; import reads a torch.save or "
-                                       "safetensors file, or a torch.distributed.checkpoint directory")
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[Writer]:
+        """This store's writer, held by the calling thread alone once pending async saves have
+        committed: for an adapter that writes a step through it rather than through
+        :meth:`save` (:func:`amber_store.dcp.import_checkpoint`)."""
         self._require_writable()
         self.wait()
-        t0 = time.perf_counter()
-        from . import dcp  # torch.distributed's checkpoint modules, for DCP directories only
-
         with self._saving:
-            m = dcp.import_checkpoint(self, step, path)
-        return CommitInfo(step, m.kind, m.base, m.nbytes_raw, m.nbytes_stored, time.perf_counter() - t0)
+            yield self.writer
 
     def du(self) -> dict[str, Any]:
         """Stored bytes by step and by top-level group of the state (``model``, ``optim``, ...),

@@ -363,7 +363,7 @@ def test_a_dcp_checkpoint_directory_imports_as_a_sharded_step_that_loads_and_res
     uri, opts, out = fsdp_run
     target = str(tmp_path / "imported") if not opts else f"{uri}-imported"
     store = amber.open(target, opts or None)
-    info = store.import_checkpoint(30, out / "dcp")
+    info = amber.import_checkpoint(store, 30, out / "dcp")
     assert info.kind == "full" and store.steps() == [30]
     expected = expected_state(out, 20)
     assert_tree_bit_equal(store.load(30, lazy=False), expected)
@@ -379,7 +379,7 @@ def test_a_dcp_checkpoint_directory_imports_as_a_sharded_step_that_loads_and_res
         assert "imported" in capsys.readouterr().out
         assert_tree_bit_equal(amber.open(tmp_path / "cli", mode="r").load(7, lazy=False), expected)
         with pytest.raises(amber.NotAnAmberStoreError, match="without DCP's .metadata"):
-            store.import_checkpoint(40, tmp_path)
+            amber.import_checkpoint(store, 40, tmp_path)
 
 
 def test_the_private_dcp_names_it_uses_were_checked_against_this_torch():

@@ -383,12 +383,12 @@ def test_import_of_torch_save_and_safetensors_files_as_full_steps(local_store, t
     torch.save(state, tmp_path / "ckpt.pt")
     save_file({"w": torch.arange(6.0)}, str(tmp_path / "w.safetensors"))
     store = local_store()
-    assert store.import_checkpoint(3, tmp_path / "ckpt.pt").kind == "full"
-    assert store.import_checkpoint(4, tmp_path / "w.safetensors").kind == "full"
+    assert amber.import_checkpoint(store, 3, tmp_path / "ckpt.pt").kind == "full"
+    assert amber.import_checkpoint(store, 4, tmp_path / "w.safetensors").kind == "full"
     assert_tree_bit_equal(store.load(3, lazy=False), state)
     assert_tree_bit_equal(store.load(4, lazy=False), {"w": torch.arange(6.0)})
     with pytest.raises(ValueError, match="format"):
-        store.import_checkpoint(5, tmp_path / "ckpt.unknown")
+        amber.import_checkpoint(store, 5, tmp_path / "ckpt.unknown")
 
 
 def test_du_reports_bytes_by_step_and_group(make_store):
