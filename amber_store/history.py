@@ -399,6 +399,15 @@ class History:
             raise CorruptDataError.at(self.uri, step, key, f"its base step {base} has no such tensor")
         return e
 
+    async def reads(self, step: int) -> set[int] | None:
+        """The other steps whose data ``step`` may read directly (chains go on through theirs),
+        from its index alone: its entries' bases, or for a sharded step (its entries are in
+        fragments) the steps of its segment; ``None`` when the index cannot say."""
+        m = await self.index(step)
+        if m.fragments is None:
+            return {e.base for e in m.tensors.values() if e.base is not None} - {step}
+        return set(m.segment) - {step} if m.segment else None
+
     async def dependencies(self, step: int, key: str) -> list[int]:
         """Steps whose data is read to materialize ``key`` at ``step``, oldest first."""
         return [s for s, _ in await self.chain(step, key)]

@@ -4,14 +4,16 @@
 but one), and deletes the rest in phases, each safe to interrupt:
 
 1. **Drop what no fold reads**: steps to delete that no kept step's chain passes through are
-   uncommitted (newest first) and their objects swept, so a full disk gets space back before
+   uncommitted (each once no other of them still committed reads it: newest first along each
+   chain, chains side by side) and their objects swept, so a full disk gets space back before
    anything is written.
 2. **Fold**: every kept step with a tensor whose chain passes through a step to delete is
-   rewritten, oldest first: that tensor is re-encoded as a delta against the previous *kept*
+   rewritten, oldest first (the tensors of one step read ahead while others are encoded): that
+   tensor is re-encoded as a delta against the previous *kept*
    step (or full, when there is none), into a new attempt group, and the step's manifest is
    then replaced atomically. Its materialized bits do not change. A fold that fails (a full
    disk) deletes its own group and stops gc with a message naming the step.
-3. **Uncommit** the remaining steps to delete, newest first: no kept step reads them now, and a
+3. **Uncommit** the remaining steps to delete, as in 1: no kept step reads them now, and a
    deleted step not yet uncommitted still has all of its bases.
 4. **Sweep**: every object under ``steps/`` that no remaining manifest references is deleted,
    including the data of crashed saves, except attempt groups of steps newer than the latest
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import time
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
@@ -35,7 +38,7 @@ from .format import Manifest
 from .errors import StorageAccessError
 from .history import GROUP_NAME, History
 from .usage import GRACE_SECONDS, Usage
-from .runtime import REQUESTS_AT_ONCE, gather, sync
+from .runtime import REQUESTS_AT_ONCE, ahead, gather, sync
 from .storage import storage_errors
 
 if TYPE_CHECKING:
@@ -253,15 +256,27 @@ async def _abort_uploads(history: History, grace_seconds: float, dry_run: bool =
 
 def _drop(report: GCReport, history: History, steps: list[int], keep: list[int], all_steps: list[int],
           grace_seconds: float) -> None:
-    """Uncommit ``steps`` (newest first: a step still committed never lacks its older bases),
-    then delete every object the steps in ``keep`` do not read."""
-    for step in reversed(steps):
-        sync(history.uncommit(step))
+    """Uncommit ``steps`` (a step still committed never lacks its bases), then delete every
+    object the steps in ``keep`` do not read."""
+    sync(_uncommit(history, steps))
     history.forget()
     garbage, report.spared = sync(_unreferenced(history, sync(_manifests(history, keep)), all_steps, grace_seconds))
     sync(_delete_all(history, garbage))
     report.orphans += garbage
     report.objects_removed += len(garbage)
+
+
+async def _uncommit(history: History, steps: list[int]) -> None:
+    """Uncommit ``steps``, each only once no step of them still committed reads it: in waves,
+    each at once (on an object store a round trip per step, which one after another took most
+    of the drop)."""
+    reads = dict(zip(steps, await gather((history.reads(s) for s in steps), limit=REQUESTS_AT_ONCE)))
+    left = set(steps)
+    while left:
+        read = set().union(*(reads[s] if reads[s] is not None else {o for o in left if o < s} for s in left))
+        wave = [s for s in left if s not in read] or [max(left)]  # (a crafted store's circle: newest first)
+        await gather((history.uncommit(s) for s in wave), limit=REQUESTS_AT_ONCE)
+        left -= set(wave)
 
 
 def _to_fold(m: Manifest, deleted: set[int]) -> list[str]:
@@ -307,8 +322,7 @@ def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int])
         refs.update(writer.bases_for(sync(history.manifest(k)), keys))
 
     def fill(out: StepWriter) -> None:
-        for key in todo:
-            value = writer.materialized(step, key)
+        for key, value in ahead(todo, functools.partial(writer.materialized, step), lambda key: m.tensors[key].nbytes):
             ref = refs.get(key)
             if ref is not None and not torch.equal(fmt.to_bits(value), ref.bits.whole()) and \
                     len(sync(history.dependencies(ref.step, key))) == len(deps[key]):

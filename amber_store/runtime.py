@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Awaitable, Coroutine
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any, Iterable, TypeVar
@@ -214,6 +216,67 @@ async def gather(aws: Iterable[Any], limit: int | None = None) -> list[Any]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+#: bytes of values a thread off the loop has read ahead of the one it works on (:func:`ahead`)
+READ_AHEAD_BYTES = 256 << 20
+
+K = TypeVar("K")
+
+
+class Budget:
+    """Bytes that coroutines hold at once inside :meth:`hold`: at most ``nbytes``, or one holder
+    alone of any size (a tensor larger than the budget still gets read)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = self.free = nbytes
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.free >= nbytes or self.free == self.nbytes)
+            self.free -= nbytes
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.free += nbytes
+                self._changed.notify_all()
+
+
+def ahead(keys: Iterable[K], read: Callable[[K], Coroutine[Any, Any, T]], nbytes: Callable[[K], int],
+          budget: int = READ_AHEAD_BYTES) -> Iterator[tuple[K, T]]:
+    """``(key, await read(key))`` for each of ``keys`` in order, to a thread off the event loop,
+    which works on one while the reads of the next run: as many as ``budget`` bytes and
+    :data:`REQUESTS_AT_ONCE` allow, at least one. On an object store each read is a round trip,
+    which one after another added up to most of retention's folds. Reads still in flight when
+    the caller stops are cancelled."""
+    loop = event_loop()
+    todo = iter(keys)
+    pending: deque[tuple[K, int, Future[T]]] = deque()
+    held = 0
+    following = next(todo, _END)
+    try:
+        while True:
+            while following is not _END and len(pending) < REQUESTS_AT_ONCE and (
+                    not pending or held + nbytes(following) <= budget):
+                size = nbytes(following)
+                pending.append((following, size, asyncio.run_coroutine_threadsafe(read(following), loop)))
+                held += size
+                following = next(todo, _END)
+            if not pending:
+                return
+            key, size, future = pending.popleft()
+            value = future.result()
+            held -= size
+            yield key, value
+    finally:
+        for *_, future in pending:
+            future.cancel()
+
+
+_END: Any = object()
 
 
 def shared_pool(name: str, workers: int) -> ThreadPoolExecutor:

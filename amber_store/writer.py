@@ -41,15 +41,13 @@ from .format import Manifest, TensorEntry
 from .history import PARENTS, History, json_bytes, next_segment, parent_policies, parent_policy, step_base
 from .options import Options
 from .reader import Reader, ReadSession
-from .runtime import finish, gather, sync, writer_pool
+from .runtime import READ_AHEAD_BYTES, Budget, finish, gather, sync, writer_pool
 from .stepwriter import Base, StepWriter, Written
 from .storage import is_storage_error
 
 #: save_timeout="auto": this many seconds, plus one per AUTO_TIMEOUT_RATE bytes of state.
 AUTO_TIMEOUT_SECONDS = 300.0
 AUTO_TIMEOUT_RATE = 20e6
-#: bases read back from the store at once when each is spilled as it arrives (the rest wait)
-BASES_READ_AT_ONCE = 2
 #: how long a failed save may spend deleting its own attempt's data
 DISCARD_TIMEOUT = 10.0
 #: how long a save out of time waits for that delete before it reports (the storage is likely
@@ -449,23 +447,24 @@ class Writer:
                 refs[key] = Base(holder, entry, Stored(entry, tuple(entry.shape), like.dtype,
                                                        lambda h=holder, k=key, e=entry: sync(read(h, k, e))))
             return refs
-        # read all at once, each kept as the cache keeps values; spilled ones a few at a time,
-        # so that they never are all in memory
-        limit = asyncio.Semaphore(len(missing) if not keeper.spills else BASES_READ_AT_ONCE)
+        # read all at once, each kept as the cache keeps values; spilled ones as many at a time as
+        # READ_AHEAD_BYTES holds (before, two: a round trip each pair), so that they never are all
+        # in memory
+        budget = Budget(READ_AHEAD_BYTES if keeper.spills else sum(e.nbytes for *_, e in missing))
 
         async def kept(key: str, holder: int, entry: TensorEntry) -> Base:
-            async with limit:
+            async with budget.hold(entry.nbytes):
                 bits = await read(holder, key, entry)
                 return Base(holder, entry, await asyncio.to_thread(keeper.hold, key, bits))  # (a spill writes)
 
         refs.update(zip([key for key, _, _ in missing], await gather(kept(*m) for m in missing)))
         return refs
 
-    def materialized(self, step: int, key: str) -> torch.Tensor:
-        """The whole tensor ``key`` of ``step``, read now."""
-        e = sync(self.history.entry(step, key))
+    async def materialized(self, step: int, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` of ``step``."""
+        e = await self.history.entry(step, key)
         assert e is not None, key
-        return fmt.numpy_to_tensor(sync(self.reader.read(step, key)), e.dtype)
+        return fmt.numpy_to_tensor(await self.reader.read(step, key), e.dtype)
 
 
 def _dead(cause: BaseException) -> bool:

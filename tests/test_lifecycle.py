@@ -472,3 +472,75 @@ def test_gc_bookkeeping_reads_keep_at_most_their_limit_in_flight_and_answer_in_o
     assert flight["most"] == 7
     assert sync(gather(read(i) for i in range(100))) == list(range(100))
     assert flight["most"] == 100  # (no limit: all at once)
+
+
+def test_gc_uncommits_a_step_only_once_no_step_still_committed_reads_it_and_chains_side_by_side():
+    import asyncio
+
+    from amber_store.retention import _uncommit
+    from amber_store.runtime import sync
+
+    # two chains (1 <- 2 <- 3, 1 <- 4; 10 <- 11 <- 12) and a step whose index cannot say what it reads
+    reads = {1: set(), 2: {1}, 3: {2}, 4: {1}, 10: set(), 11: {10}, 12: {11}, 20: None, 21: None}
+    committed = set(reads)
+    flight = {"now": 0, "most": 0}
+
+    class History:
+        async def reads(self, step: int) -> set[int] | None:
+            return reads[step]
+
+        async def uncommit(self, step: int) -> None:
+            readers = {s for s in committed - {step} if step in (reads[s] if reads[s] is not None else range(s))}
+            assert not readers, f"step {step} uncommitted while {readers} still read it"
+            flight["now"] += 1
+            flight["most"] = max(flight["most"], flight["now"])
+            await asyncio.sleep(0.01)
+            committed.discard(step)
+            flight["now"] -= 1
+
+    sync(_uncommit(History(), sorted(reads)))
+    assert not committed and flight["most"] >= 3  # (3, 4, 12 and 21 need nothing first)
+
+
+def test_reads_ahead_hand_values_over_in_order_within_their_byte_budget_and_stop_with_the_caller():
+    import asyncio
+
+    from amber_store.runtime import Budget, ahead, sync
+
+    flight = {"now": 0, "most": 0, "started": 0}
+
+    async def read(i: int) -> int:
+        flight["started"] += 1
+        flight["now"] += 1
+        flight["most"] = max(flight["most"], flight["now"])
+        await asyncio.sleep(0.05 if i % 4 == 0 else 0.001)  # (the next ones start while the first waits)
+        flight["now"] -= 1
+        return i * i
+
+    assert list(ahead(range(20), read, lambda i: 10, budget=40)) == [(i, i * i) for i in range(20)]
+    assert flight["most"] == 4  # 40 bytes of 10-byte values in flight, read side by side
+    assert [k for k, _ in ahead(range(3), read, lambda i: 100, budget=40)] == [0, 1, 2]  # each alone above it
+    flight.update(started=0)
+    values = ahead(range(100), read, lambda i: 10, budget=50)
+    assert next(values) == (0, 0)
+    values.close()  # the caller stops: nothing more is read
+    assert flight["started"] <= 6
+
+    budget = Budget(100)
+
+    async def hold(n: int) -> None:
+        async with budget.hold(n):
+            flight["now"] += n
+            flight["most"] = max(flight["most"], flight["now"])
+            await asyncio.sleep(0.005)
+            flight["now"] -= n
+
+    async def run(sizes: list[int]) -> None:
+        await asyncio.gather(*(hold(n) for n in sizes))
+
+    flight.update(now=0, most=0)
+    sync(run([30] * 10 + [250]))
+    assert flight["most"] == 250 and budget.free == 100  # the large one alone, the rest three at a time
+    flight.update(most=0)
+    sync(run([30] * 10))
+    assert flight["most"] == 90
