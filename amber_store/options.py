@@ -81,7 +81,7 @@ class Options:
             it fails with :class:`~amber_store.errors.StorageAccessError` (nothing committed; the
             next save may go on), so a hung storage server cannot hang training. ``"auto"``
             (default): 300 s plus 1 s per 20 MB of state; ``None``: no deadline. Every object
-            store request is bounded as well (e.g. :data:`amber_store.storage.s3_obstore.S3_CLIENT`),
+            store request is bounded as well (e.g. :data:`amber_store.storage.obstorestore.CLIENT_OPTIONS`),
             the commit and other metadata writes by the backend's ``put_timeout``.
         single_writer: on an object store, skip the check at ``open`` that the server honours
             conditional writes (``If-None-Match``, GCS's ``ifGenerationMatch``), which keep two

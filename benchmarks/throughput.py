@@ -1,6 +1,8 @@
-"""Save and load throughput: amber-store on a local directory and on a real S3 server
-(SeaweedFS, started here) through each of its S3 clients (obstore, the default, and s3fs), vs
-torch.save to a local file and to the same S3 server, and vs AWS's s3torchconnector
+"""Save and load throughput: amber-store on a local directory, on a real S3 server (SeaweedFS,
+started here) through each of its S3 clients (obstore, the default, and s3fs) and on Azurite (the
+Azure Blob emulator, started here where ``make test`` installed it) through each of its Azure
+clients (obstore, the default, and adlfs), vs torch.save to a local file and to the same servers
+(one PUT with botocore; one upload with Azure's SDK), and vs AWS's s3torchconnector
 (``S3Checkpoint``, and its DCP ``S3StorageWriter`` / ``S3StorageReader``) when installed.
 
 The same state dict (float32 tensors shaped like a transformer's weights and Adam moments) is
@@ -17,6 +19,7 @@ and the CPU seconds the client process and the server spend per GB loaded are re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import io
@@ -135,6 +138,23 @@ def torch_s3_load(spec: dict, step: int, like: dict | None = None) -> Any:
     return torch.load(io.BytesIO(body))
 
 
+def azure_client(spec: dict) -> Any:
+    from azure.storage.blob import BlobServiceClient
+
+    return BlobServiceClient.from_connection_string(spec["connection_string"]).get_container_client(spec["container"])
+
+
+def torch_az_save(spec: dict, step: int, state: dict) -> None:
+    """torch.save into memory and one upload by Azure's SDK."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    azure_client(spec).upload_blob(f"{spec['prefix']}/{step}.pt", buf.getvalue(), overwrite=True)
+
+
+def torch_az_load(spec: dict, step: int, like: dict | None = None) -> Any:
+    return torch.load(io.BytesIO(azure_client(spec).download_blob(f"{spec['prefix']}/{step}.pt").readall()))
+
+
 def s3tc_config() -> Any:
     from s3torchconnector import S3ClientConfig
 
@@ -197,22 +217,38 @@ METHODS = {
                                        imports=("botocore.session",)),
     "amber, SeaweedFS S3": Method(amber_saver, amber_load, "amber-s3", imports=AMBER),
     "amber, SeaweedFS S3 via s3fs": Method(amber_saver, amber_load, "amber-s3fs", imports=AMBER),
+    "torch.save, Azurite": Method(functools.partial(saver, torch_az_save), torch_az_load, "az",
+                                  imports=("azure.storage.blob",)),
+    "amber, Azurite": Method(amber_saver, amber_load, "amber-az", imports=AMBER),
+    "amber, Azurite via adlfs": Method(amber_saver, amber_load, "amber-adlfs", imports=AMBER),
     "s3torchconnector S3Checkpoint": Method(functools.partial(saver, s3checkpoint_save), s3checkpoint_load, "s3",
                                             imports=S3TC),
     "s3torchconnector DCP": Method(functools.partial(saver, s3dcp_save), s3dcp_load, "s3", fills=True, imports=S3TC),
 }
-BASELINE_S3 = "torch.save, SeaweedFS S3"
+#: each server's methods are compared with the first, torch.save and one request of its own SDK
+CLOUDS = {"SeaweedFS S3": ("torch.save, SeaweedFS S3", "amber, SeaweedFS S3", "amber, SeaweedFS S3 via s3fs",
+                           "s3torchconnector S3Checkpoint", "s3torchconnector DCP"),
+          "Azurite": ("torch.save, Azurite", "amber, Azurite", "amber, Azurite via adlfs")}
+#: the server each kind of spec stores on
+SERVER = {"s3": "SeaweedFS S3", "amber-s3": "SeaweedFS S3", "amber-s3fs": "SeaweedFS S3", "az": "Azurite",
+          "amber-az": "Azurite", "amber-adlfs": "Azurite"}
 
 
-def make_spec(kind: str, s3: SeaweedFS, tmp: Path) -> dict:
+def make_spec(kind: str, servers: dict[str, Any], tmp: Path) -> dict:
     """Where a method's run stores its steps (fresh each run)."""
     name = uuid.uuid4().hex
-    opts = s3.storage_options()
-    return {"file": {"path": str(tmp / name)},
-            "local": {"uri": str(tmp / name), "options": None},
-            "s3": {"endpoint": s3.endpoint, "key": s3.key, "secret": s3.secret, "bucket": "bench", "prefix": name},
-            "amber-s3": {"uri": f"s3://bench/{name}", "options": opts},
-            "amber-s3fs": {"uri": f"s3://bench/{name}", "options": {**opts, "client": "s3fs"}}}[kind]
+    s3, az = servers.get("SeaweedFS S3"), servers.get("Azurite")
+    if kind in ("s3", "amber-s3", "amber-s3fs"):
+        opts = s3.storage_options()
+        return {"s3": {"endpoint": s3.endpoint, "key": s3.key, "secret": s3.secret, "bucket": "bench", "prefix": name},
+                "amber-s3": {"uri": f"s3://bench/{name}", "options": opts},
+                "amber-s3fs": {"uri": f"s3://bench/{name}", "options": {**opts, "client": "s3fs"}}}[kind]
+    if kind in ("az", "amber-az", "amber-adlfs"):
+        opts = az.storage_options()
+        return {"az": {"connection_string": az.connection_string(), "container": "bench", "prefix": name},
+                "amber-az": {"uri": f"az://bench/{name}", "options": opts},
+                "amber-adlfs": {"uri": f"az://bench/{name}", "options": {**opts, "client": "adlfs"}}}[kind]
+    return {"file": {"path": str(tmp / name)}, "local": {"uri": str(tmp / name), "options": None}}[kind]
 
 
 def run_method(name: str, spec: dict, clock: Clock, state: dict, updated: dict) -> dict[str, Any]:
@@ -257,9 +293,29 @@ def cold_load(name: str, spec: dict, step: int, mb: int, server_pid: int | None)
     return json.loads(out.stdout.strip().splitlines()[-1]) | {"server_cpu": server_cpu(server_pid) - s0}
 
 
-def available(name: str) -> bool:
-    """Whether the method's library is installed (s3torchconnector is not a dependency)."""
-    return not name.startswith("s3torchconnector") or importlib.util.find_spec("s3torchconnector") is not None
+def available(name: str, servers: dict[str, Any]) -> bool:
+    """Whether the method's library is installed (s3torchconnector is not a dependency) and its
+    server runs."""
+    where = SERVER.get(METHODS[name].where)
+    return (where is None or where in servers) and (
+        not name.startswith("s3torchconnector") or importlib.util.find_spec("s3torchconnector") is not None)
+
+
+@contextmanager
+def started() -> Iterator[dict[str, Any]]:
+    """The servers, each with a bucket "bench": SeaweedFS, and Azurite where it is installed."""
+    from backends.azurite import Azurite, azurite_blob
+
+    with contextlib.ExitStack() as stack:
+        servers = {"SeaweedFS S3": stack.enter_context(SeaweedFS())}
+        try:
+            azurite_blob()
+            servers["Azurite"] = stack.enter_context(Azurite())
+        except FileNotFoundError:
+            pass
+        for server in servers.values():
+            server.create_bucket("bench")
+        yield servers
 
 
 def main() -> None:
@@ -274,24 +330,25 @@ def main() -> None:
     updated = {k: v + 1e-3 * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in state.items()}
     mb = nbytes(state) / 1e6
     tmp = Path(tempfile.mkdtemp(prefix="amber-bench-"))
-    names = [n for n in METHODS if available(n)]
-    missing = [n for n in METHODS if n not in names]
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    cold: dict[str, list[dict[str, Any]]] = {n: [] for n in names if METHODS[n].where not in ("file", "local")}
     try:
-        with SeaweedFS() as s3:
-            s3.create_bucket("bench")
+        with started() as servers:
+            names = [n for n in METHODS if available(n, servers)]
+            missing = [n for n in METHODS if n not in names]
+            runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+            cold: dict[str, list[dict[str, Any]]] = {n: [] for n in names if METHODS[n].where in SERVER}
+            s3 = servers["SeaweedFS S3"]
             # s3torchconnector's clients read credentials, and its DCP client the endpoint, from
             # the environment; the other clients are given theirs.
             os.environ.update(AWS_ACCESS_KEY_ID=s3.key, AWS_SECRET_ACCESS_KEY=s3.secret, AWS_ENDPOINT_URL=s3.endpoint,
                               AWS_REGION=REGION)
-            clock = Clock(s3.pid)
             for r in range(args.repeats):
                 for name in rotated(names, r):
-                    spec = make_spec(METHODS[name].where, s3, tmp)
-                    runs[name].append(run_method(name, spec, clock, state, updated))
+                    server = servers.get(SERVER.get(METHODS[name].where, ""))
+                    pid = server.pid if server is not None else None
+                    spec = make_spec(METHODS[name].where, servers, tmp)
+                    runs[name].append(run_method(name, spec, Clock(pid), state, updated))
                     if name in cold:
-                        cold[name].append({f"step {step}": cold_load(name, spec, step, args.mb, s3.pid)
+                        cold[name].append({f"step {step}": cold_load(name, spec, step, args.mb, pid)
                                            for step in (1, 2)})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -301,25 +358,28 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     print(f"state: {mb:.0f} MB float32 in {len(state)} tensors; {args.repeats} interleaved runs, "
-          "MB/s median (range); SeaweedFS on this machine's loopback"
+          "MB/s median (range); the servers on this machine's loopback"
           + (f"; not installed: {', '.join(missing)}" if missing else "") + "\n")
     print(table(["method", "full save MB/s", "delta save MB/s", "load full step MB/s", "load delta step MB/s",
                  "full size ratio", "delta size ratio"],
                 [[name, rate(mb, r["full"]), rate(mb, r["delta"]), rate(mb, r["load_full"]), rate(mb, r["load"]),
                   f"{r['full_ratio'][0]:.2f}x", f"{r['delta_ratio'][0]:.2f}x"] for name, r in results.items()]))
-    base, base_cold = results[BASELINE_S3], colds[BASELINE_S3]
-
     def speedup(ours: list[float], peer: list[float]) -> str:
         return f"{statistics.median(peer) / statistics.median(ours):.2f}x"
 
-    print(f"\nS3, speed against {BASELINE_S3} (above 1: faster); cold: a fresh process per load, imports apart\n")
-    print(table(["method", "save full", "save delta", "load full step", "load delta step", "cold load full step",
-                 "cold load delta step"],
-                [[name, *(speedup(results[name][k], base[k]) for k in ("full", "delta", "load_full", "load")),
-                  speedup(c["s_1"], base_cold["s_1"]), speedup(c["s_2"], base_cold["s_2"])]
-                 for name, c in colds.items()]))
+    for cloud, (baseline, *_) in CLOUDS.items():
+        if baseline not in results:
+            continue
+        base, base_cold = results[baseline], colds[baseline]
+        print(f"\n{cloud}, speed against {baseline} (above 1: faster); cold: a fresh process per load, imports "
+              "apart\n")
+        print(table(["method", "save full", "save delta", "load full step", "load delta step", "cold load full step",
+                     "cold load delta step"],
+                    [[name, *(speedup(results[name][k], base[k]) for k in ("full", "delta", "load_full", "load")),
+                      speedup(c["s_1"], base_cold["s_1"]), speedup(c["s_2"], base_cold["s_2"])]
+                     for name, c in colds.items() if name in CLOUDS[cloud]]))
     gb = mb / 1e3
-    print("\nCPU seconds per GB loaded (median), client process (every thread) and SeaweedFS; cold: the fresh "
+    print("\nCPU seconds per GB loaded (median), client process (every thread) and its server; cold: the fresh "
           "process's load\n")
     print(table(["method", "client, full step", "client, delta step", "server, full step", "server, delta step",
                  "client cold, full step", "client cold, delta step", "cold load s (full / delta)",
@@ -331,12 +391,17 @@ def main() -> None:
                   f"{statistics.median(c['imports_1'] + c['imports_2']):.2f}"] for name, c in colds.items()]))
     ours, s3fs = results["amber, SeaweedFS S3"], results["amber, SeaweedFS S3 via s3fs"]
     local, ts = results["amber, local directory"], results["torch.save, local file"]
+    az, adlfs = results.get("amber, Azurite"), results.get("amber, Azurite via adlfs")
+
+    def ratio(a: list[float], b: list[float]) -> str:
+        return f"{median_rate(mb, a) / median_rate(mb, b):.2f}"
+
     print()
     for what in ("full", "delta", "load_full", "load"):
-        print(f"{what:>9}: amber S3 / amber local = {median_rate(mb, ours[what]) / median_rate(mb, local[what]):.2f}; "
-              f"obstore / s3fs = {median_rate(mb, ours[what]) / median_rate(mb, s3fs[what]):.2f}; "
-              f"amber local / torch.save local = {median_rate(mb, local[what]) / median_rate(mb, ts[what]):.2f} "
-              "(throughput ratios: above 1 is faster)")
+        print(f"{what:>9}: amber S3 / amber local = {ratio(ours[what], local[what])}; "
+              f"S3 obstore / s3fs = {ratio(ours[what], s3fs[what])}; "
+              + (f"Azure obstore / adlfs = {ratio(az[what], adlfs[what])}; " if az and adlfs else "")
+              + f"amber local / torch.save local = {ratio(local[what], ts[what])} (throughput ratios: above 1 is faster)")
     if args.json:
         args.json.write_text(json.dumps({"mb": mb, "results": results, "cold": colds, "missing": missing}, indent=1))
 

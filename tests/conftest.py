@@ -137,17 +137,49 @@ def azure_server() -> Any:
 OBJECT_STORE_PARAMS = [pytest.param(kind, marks=getattr(pytest.mark, kind)) for kind in OBJECT_STORES]
 
 
-@pytest.fixture(params=OBJECT_STORE_PARAMS)
+#: each object store's clients, the default first: the conformance suite runs on every one
+CLIENTS = {"s3": ("obstore", "s3fs"), "gcs": ("gcsfs",), "azure": ("obstore", "adlfs")}
+CLIENT_PARAMS = [pytest.param((kind, client), id=kind if client == CLIENTS[kind][0] else f"{kind}-{client}",
+                              marks=getattr(pytest.mark, kind)) for kind in OBJECT_STORES for client in CLIENTS[kind]]
+
+
+class Through:
+    """A server reached through one of its clients: its options name that client, unless it
+    is the default (which users reach without naming it)."""
+
+    def __init__(self, server: Any, kind: str, client: str) -> None:
+        self.server, self.via = server, None if client == CLIENTS[kind][0] else client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.server, name)
+
+    def _named(self, options: dict[str, Any]) -> dict[str, Any]:
+        return options if self.via is None else {**options, "client": self.via}
+
+    def storage_options(self) -> dict[str, Any]:
+        return self._named(self.server.storage_options())
+
+    def quick_options(self) -> dict[str, Any]:
+        return self._named(self.server.quick_options())
+
+    def wrong_credentials(self, secret: str) -> dict[str, Any]:
+        return self._named(self.server.wrong_credentials(secret))
+
+
+@pytest.fixture(params=CLIENT_PARAMS)
 def object_server(request: pytest.FixtureRequest) -> Any:
-    """The session's server of each object store (S3, GCS, Azure)."""
-    return request.getfixturevalue(f"{request.param}_server")
+    """The session's server of each object store (S3, GCS, Azure), through each of its clients."""
+    kind, client = request.param
+    return Through(request.getfixturevalue(f"{kind}_server"), kind, client)
 
 
-@pytest.fixture(params=OBJECT_STORE_PARAMS)
+@pytest.fixture(params=CLIENT_PARAMS)
 def own_object_server(request: pytest.FixtureRequest) -> Any:
-    """A server of each object store for this test alone, which it may kill, freeze and restart."""
-    with running(request.param) as server:
-        yield server
+    """A server of each object store for this test alone, which it may kill, freeze and
+    restart, through each of its clients."""
+    kind, client = request.param
+    with running(kind) as server:
+        yield Through(server, kind, client)
 
 
 def store_uri(server: Any) -> str:

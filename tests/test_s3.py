@@ -50,9 +50,9 @@ def test_s3_goes_through_obstore_unless_s3fs_is_asked_for_or_its_options_are_giv
 
 
 def test_objects_above_the_part_size_are_uploaded_in_parts_and_read_back_bit_exact(s3_server, s3_uri, monkeypatch):
-    from amber_store.storage import s3_obstore
+    from amber_store.storage import obstorestore
 
-    monkeypatch.setattr(s3_obstore, "PART_BYTES", 5 << 20)  # (S3's smallest part)
+    monkeypatch.setattr(obstorestore, "PART_BYTES", 5 << 20)  # (S3's smallest part)
     state = {"big": torch.randn(4 << 20, generator=torch.Generator().manual_seed(0)), **layer_state(2)}  # 16 MiB
     with amber.open(s3_uri, s3_server.storage_options(), pack_threshold=1 << 20) as store:
         store.save(1, state)

@@ -336,7 +336,7 @@ def test_a_cancelled_upload_in_parts_is_aborted_and_a_killed_ones_are_reported_a
     from amber_store.runtime import sync
 
     from amber_store.cli import main as cli
-    from amber_store.storage import s3_obstore
+    from amber_store.storage import obstorestore
 
     uri = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     store = amber.open(uri, s3_server.storage_options())
@@ -346,7 +346,7 @@ def test_a_cancelled_upload_in_parts_is_aborted_and_a_killed_ones_are_reported_a
     prefix = uri.split(f"{BUCKET}/", 1)[1]
 
     async def cancelled_midway() -> None:
-        task = asyncio.ensure_future(backend.put_object("steps/x/big", [bytes(s3_obstore.PART_BYTES)] * 3))
+        task = asyncio.ensure_future(backend.put_object("steps/x/big", [bytes(obstorestore.PART_BYTES)] * 3))
         while not client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads"):
             await asyncio.sleep(0.05)  # (until its upload has begun)
         task.cancel()

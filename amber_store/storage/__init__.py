@@ -5,6 +5,9 @@
 ``memory://name``                  :mod:`~amber_store.storage.memory` (this process)
 ``s3://bucket/prefix``             :mod:`~amber_store.storage.s3_obstore` (AWS S3, MinIO, SeaweedFS;
                                    ``client="s3fs"``: :mod:`~amber_store.storage.s3`)
+``gs://bucket/prefix``             :mod:`~amber_store.storage.gcs` (gcsfs)
+``az://container/prefix``          :mod:`~amber_store.storage.azure_obstore` (Azure Blob, Azurite;
+                                   ``client="adlfs"``: :mod:`~amber_store.storage.azure`)
 a zarr store object                :mod:`~amber_store.storage.zarrstore` (zarr's API as it is)
 =================================  ===========================================================
 

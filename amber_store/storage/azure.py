@@ -1,5 +1,6 @@
 """``az://container/prefix`` (and ``abfs://``, ``abfss://``; ``container@account.host`` names the
-account too): Azure Blob Storage, on adlfs.
+account too): Azure Blob Storage, on adlfs, with ``client="adlfs"`` or an option only adlfs knows
+(the default client is obstore: :mod:`~amber_store.storage.azure_obstore`).
 
 Credentials as adlfs takes them: ``connection_string``, ``account_name`` + ``account_key``,
 ``sas_token``, a service principal (``tenant_id``, ``client_id``, ``client_secret``) or

@@ -26,9 +26,9 @@ BACKENDS: dict[str, Union[str, type[Backend]]] = {
     "s3a": "amber_store.storage.s3_obstore:ObstoreS3Backend",
     "gs": "amber_store.storage.gcs:GCSBackend",
     "gcs": "amber_store.storage.gcs:GCSBackend",
-    "az": "amber_store.storage.azure:AzureBackend",
-    "abfs": "amber_store.storage.azure:AzureBackend",
-    "abfss": "amber_store.storage.azure:AzureBackend",
+    "az": "amber_store.storage.azure_obstore:ObstoreAzureBackend",
+    "abfs": "amber_store.storage.azure_obstore:ObstoreAzureBackend",
+    "abfss": "amber_store.storage.azure_obstore:ObstoreAzureBackend",
 }
 
 #: The entry-point group through which an installed package serves a scheme (``scheme =

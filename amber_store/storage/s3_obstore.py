@@ -1,6 +1,5 @@
-"""``s3://bucket/prefix`` (and ``s3a://``) on obstore: AWS S3, MinIO, SeaweedFS or any S3 server,
-through the Rust ``object_store`` client (which zarr's :class:`~zarr.storage.ObjectStore` wraps,
-for zarr's readers; amber-store's own reads and writes call obstore directly).
+"""``s3://bucket/prefix`` (and ``s3a://``) on obstore (:mod:`~amber_store.storage.obstorestore`):
+AWS S3, MinIO, SeaweedFS or any S3 server.
 
 The default S3 client: on SeaweedFS (loopback, 2 cores) it loaded a delta step 1.28-1.43x and
 saved 1.1-1.36x faster than s3fs, over three runs of benchmarks/throughput.py. Options are the
@@ -9,7 +8,9 @@ ones users pass to s3fs (``endpoint_url``, ``key``, ``secret``, ``token``, ``reg
 ``AWS_REGION``, credentials, and profiles, which botocore reads for it). ``client="s3fs"``, or
 an option only s3fs knows (``client_kwargs``, ``config_kwargs``, ``session``, ...), selects the
 s3fs backend (:mod:`amber_store.storage.s3`). The commit is a conditional PUT
-(``If-None-Match: *``); every request is bounded (:data:`S3_CLIENT`, :data:`S3_RETRY`).
+(``If-None-Match: *``); every request is bounded (:mod:`~amber_store.storage.obstorestore`). Uploads in
+parts that failed are aborted, and gc lists and aborts those a killed process left, through
+botocore (obstore does neither).
 """
 
 from __future__ import annotations
@@ -20,27 +21,13 @@ import datetime
 import os
 import re
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any
 from urllib.parse import SplitResult
 
-import numpy as np
-
 from ..errors import InvalidURIError, StorageAccessError
-from .base import MISSING, Backend, ByteRange, Upload, as_array
-from .objectstore import ObjectStoreBackend
+from .base import Backend, Upload
+from .obstorestore import RETRY, ObstoreBackend, client_options
 
-if TYPE_CHECKING:
-    from zarr.storage import ObjectStore
-
-#: Bounds on every request: to connect, of silence between bytes (a frozen server), and on a
-#: whole request (a GET of a large object at 100 MB/s takes seconds, not minutes).
-S3_CLIENT: dict[str, Any] = {"connect_timeout": "5s", "read_timeout": "15s", "timeout": "300s"}
-#: Attempts at a request that failed in transit or timed out, and how long they may go on.
-S3_RETRY: dict[str, Any] = {"max_retries": 3, "retry_timeout": datetime.timedelta(seconds=60)}
-#: Objects above this size are uploaded in parts of this size, several at once.
-PART_BYTES = 64 << 20
-#: Times a conditional create answered 409 (another conditional write racing it) is asked again.
-CONFLICT_RETRIES = 5
 #: How long a failed upload in parts may spend aborting itself.
 ABORT_SECONDS = 30.0
 #: How long the botocore client of upload listings and aborts is used before it is made again.
@@ -54,18 +41,16 @@ _RENAMED = {"key": "access_key_id", "secret": "secret_access_key", "token": "ses
             "endpoint_url": "endpoint"}
 
 
-class ObstoreS3Backend(ObjectStoreBackend):
+class ObstoreS3Backend(ObstoreBackend):
     """An S3 bucket prefix, through obstore."""
 
     schemes = ("s3", "s3a")
-    error_modules = ("obstore",)
     condition = "If-None-Match: *"
     honoured_by = "AWS S3, MinIO since RELEASE.2024-11, SeaweedFS"
+    missing_container = r"NoSuchBucket|404 Not Found"
 
     def __init__(self, client: Any, bucket: str, prefix: str, uri: str, read_only: bool, endpoint: str) -> None:
-        super().__init__(None, uri, f"{bucket}/{prefix}".rstrip("/"), read_only)
-        self.client = client
-        self._endpoint = endpoint
+        super().__init__(client, uri, f"{bucket}/{prefix}".rstrip("/"), read_only, endpoint)
         self._bucket, self._prefix = bucket, prefix.strip("/")
         self._config: dict[str, Any] = {}
         self._provider: Any = None
@@ -89,82 +74,25 @@ class ObstoreS3Backend(ObjectStoreBackend):
         bucket, _, prefix = path.partition("/")
         config, provider = s3_config(opts, uri)
         try:
-            store = S3Store(bucket, prefix=prefix or None, config=config, client_options=_client_options(config),
-                            retry_config=S3_RETRY, credential_provider=provider)
+            store = S3Store(bucket, prefix=prefix or None, config=config,
+                            client_options=client_options(config.get("endpoint")), retry_config=RETRY,
+                            credential_provider=provider)
         except Exception as e:  # obstore reports bad configuration as its own errors
             raise InvalidURIError(f"{text}: cannot create an S3 client: {e}") from None
         backend = cls(store, bucket, prefix, text, read_only, config.get("endpoint") or "AWS S3")
         backend._config, backend._provider = config, provider
         return backend
 
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
+    def upload_failed(self, key: str) -> None:
+        """Abort it: its parts would stay, billed and invisible."""
+        task = asyncio.ensure_future(self._abort_uploads_of(key))
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
 
-    def zarr_store(self) -> ObjectStore:
-        from zarr.storage import ObjectStore
-
-        return ObjectStore(self.client, read_only=self.read_only)
-
-    # --- reading ------------------------------------------------------------------------
-
-    async def get(self, key: str, byte_range: ByteRange | None = None) -> np.ndarray | None:
-        import obstore
-
-        try:
-            if byte_range is None:
-                return as_array(await (await obstore.get_async(self.client, key)).bytes_async())
-            return as_array(await obstore.get_range_async(self.client, key, start=byte_range[0], end=byte_range[1]))
-        except MISSING:  # (obstore raises the built-in FileNotFoundError)
-            return None
-
-    async def exists(self, key: str) -> bool:
-        import obstore
-
-        try:
-            await obstore.head_async(self.client, key)
-        except FileNotFoundError:
-            return False
-        return True
-
-    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
-        import obstore
-
-        async for batch in obstore.list(self.client, prefix=prefix or None):
-            for meta in batch:
-                yield meta["path"]
-
-    async def list_dir(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
-        """Names directly below ``prefix``; a server's marker of the "directory" itself
-        (SeaweedFS lists an emptied one as its own entry) is not one of them."""
-        import obstore
-
-        base = prefix.rstrip("/")
-        found = await obstore.list_with_delimiter_async(self.client, prefix=base or None)
-        for path in [*found["common_prefixes"], *(meta["path"] for meta in found["objects"])]:
-            name = path[len(base) + 1:] if base else path
-            if (not base or path.startswith(base + "/")) and name:
-                yield name.rstrip("/")
-
-    # --- writing ------------------------------------------------------------------------
-
-    async def put_object(self, key: str, parts: list[Any], durable: bool = False) -> None:
-        """One PUT from the parts joined, or, above :data:`PART_BYTES`, a multipart upload of
-        the parts as they are (acknowledged once durable: nothing for :meth:`make_durable`)."""
-        import obstore
-
-        size = sum(memoryview(p).nbytes for p in parts)
-        if size <= PART_BYTES:
-            await obstore.put_async(self.client, key, b"".join(parts) if len(parts) != 1 else parts[0],
-                                    use_multipart=False)
-            return
-        try:
-            await obstore.put_async(self.client, key, iter(parts), chunk_size=PART_BYTES, max_concurrency=4)
-        except BaseException:  # failed or cancelled: its parts would stay, billed and invisible
-            task = asyncio.ensure_future(self._abort_uploads_of(key))
-            self._aborting.add(task)
-            task.add_done_callback(self._aborting.discard)
-            raise
+    def racing(self, e: Exception) -> bool:
+        """AWS answers 409 (ConditionalRequestConflict) to a conditional write racing another on
+        the same key, which obstore reports as "exists"; a 412 is the answer that it exists."""
+        return re.search(r"status code:? 409\b", str(e)) is not None
 
     async def _abort_uploads_of(self, key: str) -> None:
         """Abort the incomplete uploads of ``key`` (best effort, bounded: gc removes what is left)."""
@@ -226,75 +154,6 @@ class ObstoreS3Backend(ObjectStoreBackend):
         return botocore.session.get_session().create_client(
             "s3", endpoint_url=config.get("endpoint"), region_name=config.get("region"), config=options, **creds)
 
-    async def put(self, key: str, data: bytes) -> None:
-        import obstore
-
-        await self.bounded(obstore.put_async(self.client, key, data, use_multipart=False))
-
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
-        import obstore
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
-
-        attempt = 0
-        while True:
-            try:
-                await self.bounded(obstore.put_async(self.client, key, data, mode="create", use_multipart=False))
-                return True
-            except (AlreadyExistsError, PreconditionError) as e:
-                # AWS answers 409 (ConditionalRequestConflict) to a conditional write racing
-                # another on the same key, which obstore reports as "exists": neither has won
-                # yet, so ask again (a 412 is the answer that the object exists)
-                if attempt == CONFLICT_RETRIES or re.search(r"status code:? 409\b", str(e)) is None:
-                    return False
-            await asyncio.sleep(0.05 * 2**attempt)
-            attempt += 1
-
-    async def remove(self, key: str) -> None:
-        import obstore  # (S3 deletes are idempotent: a missing key is no error)
-
-        await obstore.delete_async(self.client, key)
-
-    async def delete(self, key: str) -> None:
-        await self.remove(key)
-
-    async def delete_dir(self, prefix: str) -> None:
-        import obstore
-
-        if prefix and not prefix.endswith("/"):
-            prefix += "/"
-        keys = [meta["path"] async for batch in obstore.list(self.client, prefix=prefix or None) for meta in batch]
-        for start in range(0, len(keys), 1000):  # (one request deletes up to 1,000 objects)
-            await obstore.delete_async(self.client, keys[start: start + 1000])
-
-    # --- checking -----------------------------------------------------------------------
-
-    async def probe_request(self) -> None:
-        import obstore
-        from obstore.exceptions import NotFoundError
-
-        try:
-            await obstore.list_with_delimiter_async(self.client)
-        except Exception as e:  # a missing bucket is a 404 to the listing, a GenericError to obstore
-            if isinstance(e, NotFoundError) or "NoSuchBucket" in str(e) or "404 Not Found" in str(e):
-                raise FileNotFoundError(str(e)) from None
-            raise
-
-    def denied(self, e: Exception) -> bool:
-        from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
-
-        return isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or \
-            re.search(r"status code:? 40[13]\b", str(e)) is not None
-
-    async def footprint(self, prefix: str = "") -> dict[str, int]:
-        import obstore
-
-        sizes = [meta["size"] async for batch in obstore.list(self.client, prefix=prefix or None, chunk_size=1000)
-                 for meta in batch]
-        return {"objects": len(sizes), "bytes": sum(sizes), "allocated": sum(sizes)}
-
-    def close(self) -> None:
-        """Nothing to do: the client's pooled connections close when it goes."""
-
 
 def s3_config(storage_options: dict[str, Any], uri: str) -> tuple[dict[str, Any], Any]:
     """obstore's S3 configuration from s3fs-style options (over the AWS environment, which
@@ -327,13 +186,6 @@ def s3_config(storage_options: dict[str, Any], uri: str) -> tuple[dict[str, Any]
                                  "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, name a profile, or anon=True for a "
                                  "public bucket")
     return config, provider
-
-
-def _client_options(config: dict[str, Any]) -> dict[str, Any]:
-    options = dict(S3_CLIENT)
-    if str(config.get("endpoint", "")).lower().startswith("http://"):
-        options["allow_http"] = True
-    return options
 
 
 def _botocore_credentials(profile: str | None) -> Any:
