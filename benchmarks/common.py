@@ -134,3 +134,43 @@ def eval_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Te
             logits = model(x)
             losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))))
     return statistics.mean(losses)
+
+
+def distant_args(p: argparse.ArgumentParser, trials: int) -> None:
+    """The options of :func:`distant_trials`."""
+    from pathlib import Path
+
+    p.add_argument("--trials", type=int, default=trials)
+    p.add_argument("--latency", type=float, default=0.02, help="seconds each request is held back")
+    p.add_argument("--before", type=Path, help="a checkout whose amber_store runs the same trials too")
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
+
+
+def distant_trials(args: argparse.Namespace, bucket: str,
+                   trial: Callable[[str, str, Any], dict]) -> tuple[list[str], dict[str, list[dict]]]:
+    """``trial(uri, options as JSON, before)`` ``--trials`` times for each case (this checkout's
+    amber_store, and ``--before``'s: ``before`` is then that checkout), interleaved, each on a
+    fresh location in ``bucket`` of a SeaweedFS on loopback behind a proxy that holds each
+    request back ``--latency`` seconds (a distant store's round trip); the cases and each one's
+    results, also written to ``--json``."""
+    import json
+    import uuid
+    from pathlib import Path
+
+    from backends.faultproxy import FaultProxy
+    from backends.s3servers import SeaweedFS
+
+    cases = ["amber"] + ([f"amber{BEFORE}"] if args.before else [])
+    compiled(Path(__file__).resolve().parents[1], *([args.before] if args.before else []))
+    got: dict[str, list[dict]] = {k: [] for k in cases}
+    with SeaweedFS() as server, FaultProxy(server.endpoint, delay=args.latency) as proxy:
+        server.create_bucket(bucket)
+        opts = json.dumps({**server.storage_options(), "endpoint_url": proxy.endpoint})
+        for r in range(args.trials):
+            for kind in rotated(cases, r):
+                got[kind].append(trial(f"s3://{bucket}/{uuid.uuid4().hex}", opts,
+                                       args.before if kind.endswith(BEFORE) else None))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                         "results": got}, indent=1))
+    return cases, got

@@ -11,16 +11,12 @@ checkout (``git worktree add DIR REV``), interleaved. Medians (and ranges) over 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.faultproxy import FaultProxy  # noqa: E402
-from backends.s3servers import SeaweedFS  # noqa: E402
-from benchmarks.common import BEFORE, compiled, fresh_process, machine, rotated, spread, table  # noqa: E402
+from benchmarks.common import distant_args, distant_trials, fresh_process, machine, spread, table  # noqa: E402
 
 BUCKET = "amber-gc"
 CHILD = r"""
@@ -56,22 +52,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--full-every", type=int, default=10)
     p.add_argument("--keep", type=int, default=4, help="keep_last")
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--latency", type=float, default=0.02, help="seconds each request is held back")
-    p.add_argument("--before", type=Path, help="a checkout whose amber_store runs the same trials too")
-    p.add_argument("--json", type=Path, help="also write the raw figures here")
+    distant_args(p, trials=3)
     args = p.parse_args()
-    cases = ["amber"] + ([f"amber{BEFORE}"] if args.before else [])
-    compiled(Path(__file__).resolve().parents[1], *([args.before] if args.before else []))
-    got: dict[str, list[dict]] = {k: [] for k in cases}
-    with SeaweedFS() as server, FaultProxy(server.endpoint, delay=args.latency) as proxy:
-        server.create_bucket(BUCKET)
-        opts = {**server.storage_options(), "endpoint_url": proxy.endpoint}
-        for r in range(args.trials):
-            for kind in rotated(cases, r):
-                got[kind].append(fresh_process(CHILD, f"s3://{BUCKET}/{uuid.uuid4().hex}", json.dumps(opts), args.steps,
-                                               args.full_every, args.keep, cwd="/",
-                                               before=args.before if kind.endswith(BEFORE) else None))
+    cases, got = distant_trials(args, BUCKET, lambda uri, opts, before: fresh_process(
+        CHILD, uri, opts, args.steps, args.full_every, args.keep, cwd="/", before=before))
     flags = f" --before {args.before}" if args.before else ""
     print(f"`python benchmarks/gc_bench.py --steps {args.steps} --full-every {args.full_every} --keep {args.keep} "
           f"--trials {args.trials} --latency {args.latency}{flags}`; machine: {machine()}; SeaweedFS on loopback, "
@@ -80,9 +64,6 @@ def main() -> None:
     print(table(["code", "dry run s", "gc s", "steps deleted"],
                 [[k, spread([x["dry run"] for x in got[k]], ".2f"), spread([x["gc"] for x in got[k]], ".2f"),
                   str(got[k][0]["gc deleted"])] for k in cases]))
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                                         "results": got}, indent=1))
 
 
 if __name__ == "__main__":

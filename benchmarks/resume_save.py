@@ -12,16 +12,12 @@ another checkout (``git worktree add DIR REV``), interleaved. Medians (and range
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.faultproxy import FaultProxy  # noqa: E402
-from backends.s3servers import SeaweedFS  # noqa: E402
-from benchmarks.common import BEFORE, compiled, fresh_process, machine, rotated, spread, table  # noqa: E402
+from benchmarks.common import distant_args, distant_trials, fresh_process, machine, spread, table  # noqa: E402
 
 BUCKET = "amber-resume"
 SAVE = r"""
@@ -57,23 +53,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--mb", type=int, default=64, help="MiB of fp32 state, split evenly over the tensors")
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--latency", type=float, default=0.02, help="seconds each request is held back")
-    p.add_argument("--before", type=Path, help="a checkout whose amber_store runs the same trials too")
-    p.add_argument("--json", type=Path, help="also write the raw figures here")
+    distant_args(p, trials=5)
     args = p.parse_args()
-    cases = ["amber"] + ([f"amber{BEFORE}"] if args.before else [])
-    compiled(Path(__file__).resolve().parents[1], *([args.before] if args.before else []))
-    got: dict[str, list[dict]] = {k: [] for k in cases}
-    with SeaweedFS() as server, FaultProxy(server.endpoint, delay=args.latency) as proxy:
-        server.create_bucket(BUCKET)
-        opts = json.dumps({**server.storage_options(), "endpoint_url": proxy.endpoint})
-        for r in range(args.trials):
-            for kind in rotated(cases, r):
-                before = args.before if kind.endswith(BEFORE) else None
-                uri = f"s3://{BUCKET}/{uuid.uuid4().hex}"
-                fresh_process(SAVE, uri, opts, args.tensors, args.mb, cwd="/", before=before)
-                got[kind].append(fresh_process(RESUME, uri, opts, cwd="/", before=before))
+
+    def trial(uri: str, opts: str, before: Path | None) -> dict:
+        fresh_process(SAVE, uri, opts, args.tensors, args.mb, cwd="/", before=before)
+        return fresh_process(RESUME, uri, opts, cwd="/", before=before)
+
+    cases, got = distant_trials(args, BUCKET, trial)
     flags = f" --before {args.before}" if args.before else ""
     print(f"`python benchmarks/resume_save.py --tensors {args.tensors} --mb {args.mb} --trials {args.trials} "
           f"--latency {args.latency}{flags}`; machine: {machine()}; SeaweedFS on loopback, each request held back "
@@ -82,9 +69,6 @@ def main() -> None:
     print(table(["code", "load s", "first save s"],
                 [[k, spread([x["load"] for x in got[k]], ".2f"), spread([x["save"] for x in got[k]], ".2f")]
                  for k in cases]))
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                                         "results": got}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from urllib.parse import SplitResult
 
 from ..errors import InvalidURIError
 from .base import Backend
-from .obstorestore import RETRY, ObstoreBackend, client_options
+from .obstorestore import RETRY, ObstoreBackend, client_options, renamed
 
 #: Options that only adlfs (and the Azure SDK) understands: with any of them, the store goes
 #: through adlfs.
@@ -48,17 +48,13 @@ class ObstoreAzureBackend(ObstoreBackend):
     honoured_by = "Azure Blob Storage, Azurite"
     missing_container = r"ContainerNotFound"
     delete_batch = 256  # (a blob batch request's limit)
+    fsspec_client = ("adlfs", "amber_store.storage.azure:AzureBackend", ADLFS_ONLY)
 
     @classmethod
     def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any], read_only: bool) -> Backend:
         opts = dict(storage_options)
-        client = opts.pop("client", "obstore")
-        if client == "adlfs" or ADLFS_ONLY & opts.keys():
-            from .azure import AzureBackend
-
-            return AzureBackend.from_uri(uri, parts, opts, read_only)
-        if client != "obstore":
-            raise InvalidURIError(f"{uri}: client must be 'obstore' (the default) or 'adlfs', not {client!r}")
+        if (other := cls.through_fsspec(uri, parts, opts, read_only)) is not None:
+            return other
         from obstore.store import AzureStore
 
         container, _, host = parts.netloc.partition("@")
@@ -81,11 +77,7 @@ def azure_config(storage_options: dict[str, Any], uri: str,
     (over the ``AZURE_*`` environment, which obstore reads itself; a connection string, from the
     options or ``AZURE_STORAGE_CONNECTION_STRING``, it does not)."""
     opts = dict(storage_options)
-    config: dict[str, Any] = {}
-    for old, new in _RENAMED.items():
-        if opts.get(old) is not None:
-            config[new] = opts.pop(old)
-        opts.pop(old, None)
+    config = renamed(opts, _RENAMED)
     if "sas_key" in config:
         config["sas_key"] = config["sas_key"].lstrip("?")
     bounds = {new: f"{float(opts.pop(old))}s" for old, new in _BOUNDS.items() if opts.get(old) is not None}

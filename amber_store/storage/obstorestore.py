@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import importlib
 import re
 from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar
+from urllib.parse import SplitResult
 
 import numpy as np
 
-from .base import MISSING, ByteRange, as_array
+from ..errors import InvalidURIError
+from .base import MISSING, Backend, ByteRange, as_array
 from .objectstore import ObjectStoreBackend
 
 if TYPE_CHECKING:
@@ -41,11 +44,27 @@ class ObstoreBackend(ObjectStoreBackend):
     error_modules = ("obstore",)
     #: objects one bulk delete request may name (the service's limit)
     delete_batch: ClassVar[int] = 1000
+    #: the cloud's fsspec client, which ``client=<name>`` or any option only it knows selects:
+    #: (its name, its backend as ``"module:Class"``, those options)
+    fsspec_client: ClassVar[tuple[str, str, frozenset[str]]]
 
     def __init__(self, client: Any, uri: str, path: str, read_only: bool, endpoint: str) -> None:
         super().__init__(None, uri, path, read_only)
         self.client = client
         self._endpoint = endpoint
+
+    @classmethod
+    def through_fsspec(cls, uri: str, parts: SplitResult, opts: dict[str, Any], read_only: bool) -> Backend | None:
+        """The fsspec client's backend where ``opts`` ask for it, else ``None`` (``client`` is
+        taken out of ``opts`` either way)."""
+        name, target, only = cls.fsspec_client
+        client = opts.pop("client", "obstore")
+        if client == name or only & opts.keys():
+            module, _, attr = target.partition(":")
+            return getattr(importlib.import_module(module), attr).from_uri(uri, parts, opts, read_only)
+        if client != "obstore":
+            raise InvalidURIError(f"{uri}: client must be 'obstore' (the default) or {name!r}, not {client!r}")
+        return None
 
     @property
     def endpoint(self) -> str:
@@ -199,6 +218,12 @@ class ObstoreBackend(ObjectStoreBackend):
 
     def close(self) -> None:
         """Nothing to do: the client's pooled connections close when it goes."""
+
+
+def renamed(opts: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """obstore's configuration from the options of ``opts`` that ``names`` maps to its keys
+    (taken out of ``opts``; those set to ``None`` are left out)."""
+    return {new: value for old, new in names.items() if (value := opts.pop(old, None)) is not None}
 
 
 def client_options(endpoint: str | None, **bounds: Any) -> dict[str, Any]:

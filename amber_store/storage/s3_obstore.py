@@ -26,7 +26,7 @@ from urllib.parse import SplitResult
 
 from ..errors import InvalidURIError, StorageAccessError
 from .base import Backend, Upload
-from .obstorestore import RETRY, ObstoreBackend, client_options
+from .obstorestore import RETRY, ObstoreBackend, client_options, renamed
 
 #: How long a failed upload in parts may spend aborting itself.
 ABORT_SECONDS = 30.0
@@ -48,6 +48,7 @@ class ObstoreS3Backend(ObstoreBackend):
     condition = "If-None-Match: *"
     honoured_by = "AWS S3, MinIO since RELEASE.2024-11, SeaweedFS"
     missing_container = r"NoSuchBucket|404 Not Found"
+    fsspec_client = ("s3fs", "amber_store.storage.s3:S3Backend", S3FS_ONLY)
 
     def __init__(self, client: Any, bucket: str, prefix: str, uri: str, read_only: bool, endpoint: str) -> None:
         super().__init__(client, uri, f"{bucket}/{prefix}".rstrip("/"), read_only, endpoint)
@@ -61,13 +62,8 @@ class ObstoreS3Backend(ObstoreBackend):
     def from_uri(cls, uri: str, parts: SplitResult, storage_options: dict[str, Any],
                  read_only: bool) -> Backend:
         opts = dict(storage_options)
-        client = opts.pop("client", "obstore")
-        if client == "s3fs" or S3FS_ONLY & opts.keys():
-            from .s3 import S3Backend
-
-            return S3Backend.from_uri(uri, parts, opts, read_only)
-        if client != "obstore":
-            raise InvalidURIError(f"{uri}: client must be 'obstore' (the default) or 's3fs', not {client!r}")
+        if (other := cls.through_fsspec(uri, parts, opts, read_only)) is not None:
+            return other
         from obstore.store import S3Store
 
         text, path = cls.located(uri, parts._replace(scheme="s3"))
@@ -160,11 +156,7 @@ def s3_config(storage_options: dict[str, Any], uri: str) -> tuple[dict[str, Any]
     obstore reads itself), and a credential provider where botocore must find them (a profile,
     the shared credentials and config files)."""
     opts = dict(storage_options)
-    config: dict[str, Any] = {}
-    for old, new in _RENAMED.items():
-        if opts.get(old) is not None:
-            config[new] = opts.pop(old)
-        opts.pop(old, None)
+    config = renamed(opts, _RENAMED)
     anon = bool(opts.pop("anon", False))
     profile = opts.pop("profile", None)
     if opts:
