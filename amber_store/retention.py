@@ -38,7 +38,7 @@ from .format import Manifest
 from .errors import StorageAccessError
 from .history import GROUP_NAME, History
 from .usage import GRACE_SECONDS, Usage
-from .runtime import REQUESTS_AT_ONCE, ahead, gather, sync
+from .runtime import REQUESTS_AT_ONCE, ahead, gather
 from .storage import storage_errors
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def policy(keep_last: int | None, keep_every: int | None) -> Retention | None:
     return AnyOf(LatestN(keep_last), *([EveryNSteps(keep_every)] if keep_every else []))
 
 
-def select(history: History, retention: Retention | None, steps: list[int]) -> list[int]:
+async def select(history: History, retention: Retention | None, steps: list[int]) -> list[int]:
     """The steps to keep: those ``retention`` preserves, every pinned step, and the latest."""
     if retention is None:
         return list(steps)
@@ -169,7 +169,7 @@ def select(history: History, retention: Retention | None, steps: list[int]) -> l
     async def metrics(step: int) -> dict[str, Any]:  # (only these kept: every step is read)
         return (await history.manifest(step)).extra.get("metrics", {})
 
-    pins, metrics_of = sync(gather([history.pins(), gather((metrics(s) for s in steps), limit=REQUESTS_AT_ONCE)]))
+    pins, metrics_of = await gather([history.pins(), gather((metrics(s) for s in steps), limit=REQUESTS_AT_ONCE)])
     pinned = set(pins.values())
     infos = [StepInfo(s, m, s in pinned) for s, m in zip(steps, metrics_of)]
     keep = AnyOf(retention, Pinned(), LatestN(1)).should_preserve(infos)
@@ -191,41 +191,41 @@ async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[i
     return out
 
 
-def gc(writer: Writer, retention: Retention | None, *, dry_run: bool = False,
-       grace_seconds: float = GRACE_SECONDS) -> GCReport:
-    steps = sync(writer.history.steps())
-    return remove(writer, select(writer.history, retention, steps), steps, dry_run=dry_run,
-                  grace_seconds=grace_seconds)
+async def gc(writer: Writer, retention: Retention | None, *, dry_run: bool = False,
+             grace_seconds: float = GRACE_SECONDS) -> GCReport:
+    steps = await writer.history.steps()
+    return await remove(writer, await select(writer.history, retention, steps), steps, dry_run=dry_run,
+                        grace_seconds=grace_seconds)
 
 
-def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool = False,
-           grace_seconds: float = GRACE_SECONDS) -> GCReport:
+async def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool = False,
+                 grace_seconds: float = GRACE_SECONDS) -> GCReport:
     """Delete every step of ``steps`` not in ``keep``, folding kept steps off them first, then
     sweep unreferenced objects."""
     t0 = time.perf_counter()
     history = writer.history
     deleted = sorted(set(steps) - set(keep))
-    manifests = sync(_manifests(history, keep))
-    deps = gather((_deleted_deps(history, k, set(deleted)) for k in keep), limit=REQUESTS_AT_ONCE)
-    needed = dict(zip(keep, sync(deps)))
+    manifests = await _manifests(history, keep)
+    needed = dict(zip(keep, await gather((_deleted_deps(history, k, set(deleted)) for k in keep),
+                                         limit=REQUESTS_AT_ONCE)))
     folds = {k: _to_fold(m, set(deleted)) for k, m in zip(keep, manifests)}
     rewrite = [k for k in keep if folds[k]]
     report = GCReport(keep, deleted, rewrite, dry_run)
     if dry_run:  # what the sweep will find once the folds have replaced their steps' entries
         kept = [_without(m, folds[k]) for k, m in zip(keep, manifests)]
-        report.orphans, report.spared = sync(_unreferenced(history, kept, steps, grace_seconds))
-        report.orphans = sorted(report.orphans + sync(history.spent_claims()))
+        report.orphans, report.spared = await _unreferenced(history, kept, steps, grace_seconds)
+        report.orphans = sorted(report.orphans + await history.spent_claims())
         report.objects_removed = len(report.orphans)
-        report.uploads = sync(_abort_uploads(history, grace_seconds, dry_run=True))
+        report.uploads = await _abort_uploads(history, grace_seconds, dry_run=True)
         report.seconds = time.perf_counter() - t0
         return report
     # First what no fold reads: on a full disk that frees space before anything is written.
     read_by_folds = set().union(*needed.values()) if needed else set()
-    _drop(report, history, [s for s in deleted if s not in read_by_folds], keep + sorted(read_by_folds), steps,
-          grace_seconds)
+    await _drop(report, history, [s for s in deleted if s not in read_by_folds], keep + sorted(read_by_folds), steps,
+                grace_seconds)
     for step in rewrite:  # oldest first: a fold only ever diffs against already-safe steps
         try:
-            report.bytes_written += _fold(writer, step, [k for k in keep if k < step], set(deleted))
+            report.bytes_written += await _fold(writer, step, [k for k in keep if k < step], set(deleted))
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -234,12 +234,12 @@ def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: bool =
                 f"{sorted(needed[step])}: it needs room for that step's rewritten tensors "
                 f"({len(report.orphans)} objects were freed first); free some space, or keep the steps it "
                 "depends on (a larger --keep-last) and run gc again") from e
-    _drop(report, history, sorted(read_by_folds), keep, steps, grace_seconds)
-    claims = sync(history.spent_claims())
-    sync(_delete_all(history, claims))
+    await _drop(report, history, sorted(read_by_folds), keep, steps, grace_seconds)
+    claims = await history.spent_claims()
+    await _delete_all(history, claims)
     report.orphans = sorted(report.orphans + claims)
     report.objects_removed += len(claims)
-    report.uploads = sync(_abort_uploads(history, grace_seconds))
+    report.uploads = await _abort_uploads(history, grace_seconds)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -254,14 +254,14 @@ async def _abort_uploads(history: History, grace_seconds: float, dry_run: bool =
     return sorted(u.key for u in stale)
 
 
-def _drop(report: GCReport, history: History, steps: list[int], keep: list[int], all_steps: list[int],
-          grace_seconds: float) -> None:
+async def _drop(report: GCReport, history: History, steps: list[int], keep: list[int], all_steps: list[int],
+                grace_seconds: float) -> None:
     """Uncommit ``steps`` (a step still committed never lacks its bases), then delete every
     object the steps in ``keep`` do not read."""
-    sync(_uncommit(history, steps))
+    await _uncommit(history, steps)
     history.forget()
-    garbage, report.spared = sync(_unreferenced(history, sync(_manifests(history, keep)), all_steps, grace_seconds))
-    sync(_delete_all(history, garbage))
+    garbage, report.spared = await _unreferenced(history, await _manifests(history, keep), all_steps, grace_seconds)
+    await _delete_all(history, garbage)
     report.orphans += garbage
     report.objects_removed += len(garbage)
 
@@ -294,7 +294,7 @@ def _without(m: Manifest, keys: list[str]) -> Manifest:
     return dataclasses.replace(m, tensors=entries, packs=packs)
 
 
-def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int]) -> int:
+async def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int]) -> int:
     """Rewrite the tensors of ``step`` that depend on deleted steps; returns bytes written.
 
     Each becomes ``same`` as, or a delta against, the newest kept step of its segment through
@@ -303,40 +303,42 @@ def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int])
     as they were: later steps' deltas build on them.
     """
     history = writer.history
-    m = sync(history.manifest(step))
-    deps = {k: sync(history.dependencies(step, k)) for k in m.tensors}
+    m = await history.manifest(step)
     todo = _to_fold(m, deleted)
+    layers = {key: len(await history.dependencies(step, key)) for key in todo}
     # A step of another segment would add a layer a save never reads (and keep it alive).
-    candidates = [k for k in reversed(earlier_kept) if k in m.segment]
+    candidates = {k: await history.manifest(k) for k in reversed(earlier_kept) if k in m.segment}
     by_base: dict[int, list[str]] = {}
     for key in todo:
         # the newest through which a delta keeps the bound, else one it may only equal
-        layers = {k: len(sync(history.dependencies(k, key))) for k in candidates
-                  if key in sync(history.manifest(k)).tensors}
-        k = next((k for k in layers if layers[k] < len(deps[key])),
-                 next((k for k in layers if layers[k] == len(deps[key])), None))
+        through = {k: len(await history.dependencies(k, key)) for k, c in candidates.items() if key in c.tensors}
+        k = next((k for k in through if through[k] < layers[key]),
+                 next((k for k in through if through[k] == layers[key]), None))
         if k is not None:
             by_base.setdefault(k, []).append(key)
     refs: dict[str, Base | None] = {}
     for k, keys in by_base.items():
-        refs.update(writer.bases_for(sync(history.manifest(k)), keys))
+        refs.update(await writer.bases_for(candidates[k], keys))
+    # a delta against a base of as many layers as the step read is one layer more: only if equal
+    only_if_equal = {key for key, ref in refs.items()
+                     if ref is not None and len(await history.dependencies(ref.step, key)) == layers[key]}
+    holders = {key: await history.holder(step, key) for key in todo}
 
     def fill(out: StepWriter) -> None:
         for key, value in ahead(todo, functools.partial(writer.materialized, step), lambda key: m.tensors[key].nbytes):
             ref = refs.get(key)
-            if ref is not None and not torch.equal(fmt.to_bits(value), ref.bits.whole()) and \
-                    len(sync(history.dependencies(ref.step, key))) == len(deps[key]):
-                ref = None  # a delta would read one layer more than the step did
-            found = sync(history.holder(step, key))
+            if key in only_if_equal and not torch.equal(fmt.to_bits(value), ref.bits.whole()):
+                ref = None
+            found = holders[key]
             out.add(key, value, ref, layout=None if found is None else found[1])
 
-    plan = sync(writer.fold_plan(m))
+    plan = await writer.fold_plan(m)
     group = plan.group
     try:
-        written = writer.write(plan, fill)
-        created = sync(writer.seal(plan, written))
+        written = await writer.written(plan, fill)
+        created = await writer.seal(plan, written)
     except BaseException:
-        sync(writer.discard(group))  # never to be used: give its space back at once
+        await writer.discard(group)  # never to be used: give its space back at once
         raise
     for e in written.entries.values():  # the fold's pack sits beside the step's own
         if e.pack is not None:
@@ -350,7 +352,7 @@ def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set[int])
         m, tensors=entries, packs=packs, kind=kind, base=max(bases) if bases else None,
         format_version=fmt.FORMAT_VERSION, fragments=None,  # (its records, now all here)
         extra={**m.extra, "folded": {"group": group, "at": created, "from": sorted(deleted)}})
-    sync(history.replace(folded))
+    await history.replace(folded)
     return sum(e.stored for e in written.entries.values())
 
 

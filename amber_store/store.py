@@ -296,7 +296,7 @@ class Store:
         rules = retention.policy(keep_last, keep_every)
         if policy is not None:
             rules = policy if rules is None else retention.AnyOf(rules, policy)
-        return retention.gc(self.writer, rules, dry_run=dry_run, grace_seconds=grace_seconds)
+        return interruptible(retention.gc(self.writer, rules, dry_run=dry_run, grace_seconds=grace_seconds))
 
     def delete(self, step: int, *, dry_run: bool = False) -> GCReport:
         """Remove one committed step. Steps that read its data are folded off it first (as
@@ -311,7 +311,7 @@ class Store:
         steps = self.steps()
         from . import retention
 
-        report = retention.remove(self.writer, [s for s in steps if s != step], steps, dry_run=dry_run)
+        report = interruptible(retention.remove(self.writer, [s for s in steps if s != step], steps, dry_run=dry_run))
         if not dry_run and self.history.last_commit == step:
             self.history.last_commit = None  # this writer's newest step is gone: it may go on
         return report

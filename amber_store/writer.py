@@ -325,23 +325,31 @@ class Writer:
             doing.append("encoding and writing its data")
             self.add_tensors(out, tensors, plan, desc=f"save {step}")
 
-        stop = threading.Event()
-        job = asyncio.get_running_loop().run_in_executor(
-            writer_pool(), functools.partial(self.write, plan, fill, keeper=self.bases.keeper(), deadline=deadline,
-                                             stop=stop))
-        try:
-            written = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            # Out of time, or the caller was interrupted: the writer thread stops at its next
-            # tensor; wait for it, so no write of this attempt outlives the failed save. Its own
-            # error (e.g. writes unanswered at the deadline) goes into the save's.
-            stop.set()
-            await asyncio.wait([job])
-            if not job.cancelled() and job.exception() is not None:
-                doing.append(f"writing its data ({job.exception()})")
-            raise
+        def stopped(error: BaseException) -> None:  # (e.g. writes unanswered at the deadline)
+            doing.append(f"writing its data ({error})")
+
+        written = await self.written(plan, fill, stopped, keeper=self.bases.keeper(), deadline=deadline)
         doing.append("sealing its group")
         return written, await self.seal(plan, written)
+
+    async def written(self, plan: StepPlan, fill: Callable[[StepWriter], None],
+                      stopped: Callable[[BaseException], None] | None = None, **options: Any) -> Written:
+        """:meth:`write` (with ``options``) on a writer thread, the event loop free for its
+        writes. Cancelled (out of time, or the caller interrupted), the thread stops at its next
+        tensor and is waited for, so no write of the attempt outlives the call; ``stopped``
+        hears the thread's own error then."""
+        stop = threading.Event()
+        job = asyncio.get_running_loop().run_in_executor(
+            writer_pool(), functools.partial(self.write, plan, fill, stop=stop, **options))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait([job])
+            error = None if job.cancelled() else job.exception()  # (retrieved: else asyncio logs it)
+            if error is not None and stopped is not None:
+                stopped(error)
+            raise
 
     # --- what a step's tensors diff against --------------------------------------------------
 
@@ -391,7 +399,7 @@ class Writer:
         refs: dict[str, Base | None] = {}
         for base, some in keys.items():
             full = sync(self._unpaid(plan.latest, base, some))
-            refs.update(self.bases_for(sync(self.history.index(base)), [k for k in some if k not in full], cache))
+            refs.update(sync(self.bases_for(sync(self.history.index(base)), [k for k in some if k not in full], cache)))
         return refs
 
     async def _unpaid(self, latest: int | None, base: int, keys: list[str]) -> set[str]:
@@ -418,14 +426,11 @@ class Writer:
                 full.add(key)
         return full
 
-    def bases_for(self, base: Manifest, keys: list[str], cache: BaseCache | None = None) -> dict[str, Base | None]:
+    async def bases_for(self, base: Manifest, keys: list[str], cache: BaseCache | None = None) -> dict[str, Base | None]:
         """The value of each of ``keys`` at step ``base`` as host bits, with the entry holding
         its data (``None``: not in that step); from ``cache`` (default: this store's) when it
         holds that step, else read now, all in one pass."""
         cache = cache or self.bases
-        return sync(self._bases_for(base, keys, cache))
-
-    async def _bases_for(self, base: Manifest, keys: list[str], cache: BaseCache) -> dict[str, Base | None]:
         refs: dict[str, Base | None] = {}
         missing: list[tuple[str, int, TensorEntry]] = []
         for key in keys:  # (one task per tensor only for the bits to read: thousands of tasks cost ms)

@@ -693,6 +693,43 @@ def test_a_second_ctrl_c_as_the_cancel_is_handed_over_still_cancels_the_save_and
     assert_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(2)["w"], torch.full((8,), 3.0))
 
 
+def test_ctrl_c_while_gc_folds_a_step_leaves_every_step_loadable_and_none_of_the_folds_data(tmp_path, monkeypatch):
+    from amber_store.stepwriter import StepWriter
+
+    store = amber.open(tmp_path / "ckpt", full_every=100, pack_threshold=0)
+    g, states = torch.Generator().manual_seed(0), {}
+    state = {f"w{i}": torch.randn(64, 64, generator=g) for i in range(3)}
+    for step in range(1, 6):
+        states[step] = {k: v + 1e-3 * step for k, v in state.items()}  # (deltas, which step 4's fold rewrites)
+        store.save(step, states[step])
+    add, added = StepWriter.add, []
+
+    def interrupted(self, key, *args, **kwargs):  # Ctrl-C as the fold's writer thread encodes its first tensor
+        if not added:
+            added.append(key)
+            os.kill(os.getpid(), signal.SIGINT)
+        return add(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(StepWriter, "add", interrupted)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job inherits it ignored)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store.gc(keep_last=2)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    monkeypatch.undo()
+    time.sleep(0.5)  # (a fold that outlived the interrupt would land meanwhile)
+    assert added and store.steps() == [1, 4, 5]  # (steps 2 and 3, which no fold reads, went first)
+    assert "folded" not in amber.open(tmp_path / "ckpt", mode="r").manifest(4).extra  # stopped, not finished later
+    assert sync(Usage(History(resolve(str(tmp_path / "ckpt")))).stray_attempts()) == []  # the fold's group is gone
+    for step in store.steps():
+        assert_tree_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(step, lazy=False), states[step])
+    store.gc(keep_last=2)
+    assert store.steps() == [4, 5]
+    for step in (4, 5):
+        assert_tree_bit_equal(amber.open(tmp_path / "ckpt", mode="r").load(step, lazy=False), states[step])
+
+
 def test_a_stray_attempt_in_a_store_opened_on_a_zarr_store_object_names_no_uri_it_cannot_reopen(tmp_path):
     store = amber.open(tmp_path / "ckpt")
     store.save(1, {"w": torch.ones(4)})
