@@ -11,7 +11,7 @@ from typing import Literal
 from . import format as fmt
 from .bases import BASE_CACHES, BaseCacheMode
 from .codecs import CodecPolicy, Compression, Policy
-from .history import BASE_POLICIES
+from .chains import BASE_POLICIES
 from .validation import MAX_CHUNK_BYTES
 
 BasePolicy = Literal["auto", "log", "chain", "full"]

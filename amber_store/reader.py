@@ -22,6 +22,7 @@ from . import format as fmt
 from .codecs import decompress, delta_codec, fuses, scratch
 from .errors import CorruptDataError, StepNotFoundError, UnknownCodecError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
+from .chains import Chains
 from .history import History
 from .runtime import codec_pool, gather
 from .storage import storage_errors
@@ -53,6 +54,7 @@ class Reader:
 
     def __init__(self, history: History, *, verify: bool = True) -> None:
         self.history = history
+        self.chains = Chains(history)
         self.verify = verify
         self._legacy: Any = None  # (a LegacyReader, made for the first step of format 1-2: it imports zarr)
 
@@ -91,7 +93,7 @@ class Reader:
         shape, chunks = tuple(e.shape), tuple(e.chunks)
         region = fmt.whole(shape) if region is None else region
         check = self.verify if check is None else check
-        layers = await self.history.chain(step, key)
+        layers = await self.chains.chain(step, key)
         dtype = bits_numpy_dtype(e.dtype)
         rshape = tuple(r.stop - r.start for r in region)
         if out is None:

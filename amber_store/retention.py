@@ -36,6 +36,7 @@ import torch
 from . import format as fmt
 from .format import Manifest
 from .errors import StorageAccessError
+from .chains import Chains
 from .history import GROUP_NAME, History
 from .usage import GRACE_SECONDS, Usage
 from .runtime import REQUESTS_AT_ONCE, ahead, gather
@@ -182,12 +183,12 @@ async def _manifests(history: History, steps: Sequence[int]) -> list[Manifest]:
     return await gather((history.manifest(s) for s in steps), limit=REQUESTS_AT_ONCE)
 
 
-async def _deleted_deps(history: History, step: int, deleted: set[int]) -> set[int]:
+async def _deleted_deps(chains: Chains, step: int, deleted: set[int]) -> set[int]:
     """The deleted steps whose data ``step`` reads (it needs a fold if any)."""
-    m = await history.manifest(step)
+    m = await chains.history.manifest(step)
     out: set[int] = set()
     for key in m.tensors:
-        out |= deleted & set(await history.dependencies(step, key))
+        out |= deleted & set(await chains.dependencies(step, key))
     return out
 
 
@@ -206,7 +207,7 @@ async def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: 
     history = writer.history
     deleted = sorted(set(steps) - set(keep))
     manifests = await _manifests(history, keep)
-    needed = dict(zip(keep, await gather((_deleted_deps(history, k, set(deleted)) for k in keep),
+    needed = dict(zip(keep, await gather((_deleted_deps(writer.chains, k, set(deleted)) for k in keep),
                                          limit=REQUESTS_AT_ONCE)))
     folds = {k: _to_fold(m, set(deleted)) for k, m in zip(keep, manifests)}
     rewrite = [k for k in keep if folds[k]]
@@ -221,8 +222,8 @@ async def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: 
         return report
     # First what no fold reads: on a full disk that frees space before anything is written.
     read_by_folds = set().union(*needed.values()) if needed else set()
-    await _drop(report, history, [s for s in deleted if s not in read_by_folds], keep + sorted(read_by_folds), steps,
-                grace_seconds)
+    await _drop(report, writer.chains, [s for s in deleted if s not in read_by_folds], keep + sorted(read_by_folds),
+                steps, grace_seconds)
     for step in rewrite:  # oldest first: a fold only ever diffs against already-safe steps
         try:
             report.bytes_written += await _fold(writer, step, [k for k in keep if k < step], set(deleted))
@@ -234,7 +235,7 @@ async def remove(writer: Writer, keep: list[int], steps: list[int], *, dry_run: 
                 f"{sorted(needed[step])}: it needs room for that step's rewritten tensors "
                 f"({len(report.orphans)} objects were freed first); free some space, or keep the steps it "
                 "depends on (a larger --keep-last) and run gc again") from e
-    await _drop(report, history, sorted(read_by_folds), keep, steps, grace_seconds)
+    await _drop(report, writer.chains, sorted(read_by_folds), keep, steps, grace_seconds)
     claims = await history.spent_claims()
     await _delete_all(history, claims)
     report.orphans = sorted(report.orphans + claims)
@@ -254,11 +255,12 @@ async def _abort_uploads(history: History, grace_seconds: float, dry_run: bool =
     return sorted(u.key for u in stale)
 
 
-async def _drop(report: GCReport, history: History, steps: list[int], keep: list[int], all_steps: list[int],
+async def _drop(report: GCReport, chains: Chains, steps: list[int], keep: list[int], all_steps: list[int],
                 grace_seconds: float) -> None:
     """Uncommit ``steps`` (a step still committed never lacks its bases), then delete every
     object the steps in ``keep`` do not read."""
-    await _uncommit(history, steps)
+    history = chains.history
+    await _uncommit(chains, steps)
     history.forget()
     garbage, report.spared = await _unreferenced(history, await _manifests(history, keep), all_steps, grace_seconds)
     await _delete_all(history, garbage)
@@ -266,16 +268,16 @@ async def _drop(report: GCReport, history: History, steps: list[int], keep: list
     report.objects_removed += len(garbage)
 
 
-async def _uncommit(history: History, steps: list[int]) -> None:
+async def _uncommit(chains: Chains, steps: list[int]) -> None:
     """Uncommit ``steps``, each only once no step of them still committed reads it: in waves,
     each at once (on an object store a round trip per step, which one after another took most
     of the drop)."""
-    reads = dict(zip(steps, await gather((history.reads(s) for s in steps), limit=REQUESTS_AT_ONCE)))
+    reads = dict(zip(steps, await gather((chains.reads(s) for s in steps), limit=REQUESTS_AT_ONCE)))
     left = set(steps)
     while left:
         read = set().union(*(reads[s] if reads[s] is not None else {o for o in left if o < s} for s in left))
         wave = [s for s in left if s not in read] or [max(left)]  # (a crafted store's circle: newest first)
-        await gather((history.uncommit(s) for s in wave), limit=REQUESTS_AT_ONCE)
+        await gather((chains.history.uncommit(s) for s in wave), limit=REQUESTS_AT_ONCE)
         left -= set(wave)
 
 
@@ -302,16 +304,16 @@ async def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set
     through any gc), else full: what a fresh full save of it costs. Chunking and packing stay
     as they were: later steps' deltas build on them.
     """
-    history = writer.history
+    history, chains = writer.history, writer.chains
     m = await history.manifest(step)
     todo = _to_fold(m, deleted)
-    layers = {key: len(await history.dependencies(step, key)) for key in todo}
+    layers = {key: len(await chains.dependencies(step, key)) for key in todo}
     # A step of another segment would add a layer a save never reads (and keep it alive).
     candidates = {k: await history.manifest(k) for k in reversed(earlier_kept) if k in m.segment}
     by_base: dict[int, list[str]] = {}
     for key in todo:
         # the newest through which a delta keeps the bound, else one it may only equal
-        through = {k: len(await history.dependencies(k, key)) for k, c in candidates.items() if key in c.tensors}
+        through = {k: len(await chains.dependencies(k, key)) for k, c in candidates.items() if key in c.tensors}
         k = next((k for k in through if through[k] < layers[key]),
                  next((k for k in through if through[k] == layers[key]), None))
         if k is not None:
@@ -321,8 +323,8 @@ async def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set
         refs.update(await writer.bases_for(candidates[k], keys))
     # a delta against a base of as many layers as the step read is one layer more: only if equal
     only_if_equal = {key for key, ref in refs.items()
-                     if ref is not None and len(await history.dependencies(ref.step, key)) == layers[key]}
-    holders = {key: await history.holder(step, key) for key in todo}
+                     if ref is not None and len(await chains.dependencies(ref.step, key)) == layers[key]}
+    holders = {key: await chains.holder(step, key) for key in todo}
 
     def fill(out: StepWriter) -> None:
         for key, value in ahead(todo, functools.partial(writer.materialized, step), lambda key: m.tensors[key].nbytes):

@@ -13,6 +13,7 @@ from typing import Any
 from . import format as fmt
 from . import shards
 from .format import Manifest, TensorEntry
+from .chains import Chains
 from .history import GROUP_NAME, History
 from .runtime import REQUESTS_AT_ONCE, gather
 from .storage import storage_errors
@@ -59,7 +60,7 @@ class Usage:
         tensors = {}
         chain: set[int] = set()
         for key, e in m.tensors.items():
-            deps = await self.history.dependencies(step, key)
+            deps = await Chains(self.history).dependencies(step, key)
             chain.update(deps)
             tensors[key] = {
                 "dtype": e.dtype,

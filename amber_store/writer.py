@@ -38,7 +38,8 @@ from .bases import BaseCache, Keeper, Stored
 from .codecs import DeltaCodec
 from .errors import ConcurrentWriterError, StepOrderError, StorageAccessError
 from .format import Manifest, TensorEntry
-from .history import PARENTS, History, json_bytes, next_segment, parent_policies, parent_policy, step_base
+from .chains import PARENTS, next_segment, parent_policies, parent_policy, step_base
+from .history import History, json_bytes
 from .options import Options
 from .reader import Reader, ReadSession
 from .runtime import READ_AHEAD_BYTES, Budget, finish, gather, sync, writer_pool
@@ -103,6 +104,7 @@ class Writer:
     def __init__(self, history: History, reader: Reader, options: Options) -> None:
         self.backend = history.backend
         self.history = history
+        self.chains = reader.chains
         self.reader = reader
         self.options = options
         self.bases = BaseCache(options.base_cache, options.spill_dir)
@@ -142,7 +144,7 @@ class Writer:
             raise StepOrderError(f"{history.uri}: step {step} is not newer than the latest committed step {latest}")
         doing.append("reading the manifests of its bases")
         prev = await history.index(latest) if latest is not None else None
-        bases = await history.base_steps(prev, self.options.base_policy, self.options.full_every, full, steps)
+        bases = await self.chains.base_steps(prev, self.options.base_policy, self.options.full_every, full, steps)
         plan = StepPlan(step, fmt.step_group(step, uuid.uuid4().hex[:8]), latest, bases, next_segment(prev, bases, step))
         doing.append("creating its group")
         await self.open_group(plan)
@@ -412,13 +414,13 @@ class Writer:
             return set()
         full = set()
         for key in keys:
-            e, found = await self.history.entry(latest, key), await self.history.holder(base, key)
+            e, found = await self.history.entry(latest, key), await self.chains.holder(base, key)
             if e is None or found is None or e.encoding == "same":
                 continue
             if e.encoding == "full":
                 unpaid = found[0] < latest
             else:
-                _, layer = (await self.history.chain(latest, key))[0]
+                _, layer = (await self.chains.chain(latest, key))[0]
                 # (a packed tensor's stored bytes are its share of the pack's, not its own)
                 unpaid = (layer.encoding == "full" and e.pack is None and layer.pack is None and layer.stored > 0
                           and e.stored > share * layer.stored)
@@ -434,7 +436,7 @@ class Writer:
         refs: dict[str, Base | None] = {}
         missing: list[tuple[str, int, TensorEntry]] = []
         for key in keys:  # (one task per tensor only for the bits to read: thousands of tasks cost ms)
-            found = await self.history.holder(base.step, key)
+            found = await self.chains.holder(base.step, key)
             bits = None if found is None else cache.get(base.step, key)
             if found is not None and bits is None:  # another process wrote the base, or this store was just opened
                 missing.append((key, *found))

@@ -45,7 +45,7 @@ VARIANTS = {"chain": {"base_policy": "chain"}, "log": {"base_policy": "log"}, "f
 def read_bytes(store: amber.Store, step: int) -> int:
     """Stored bytes of every layer a load of ``step`` decodes."""
     m = store.manifest(step)
-    return sum(e.stored for key in m.tensors for _, e in sync(store.history.chain(step, key)))
+    return sum(e.stored for key in m.tensors for _, e in sync(store.reader.chains.chain(step, key)))
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amber_store as amber  # noqa: E402
 from amber_store.demo import GPTConfig, TinyGPT  # noqa: E402
-from amber_store.history import AUTO, PARENTS  # noqa: E402
+from amber_store.chains import AUTO, PARENTS  # noqa: E402
 from benchmarks.common import machine, table  # noqa: E402
 from benchmarks.lossy import HeldOut, _serialized, kind_of, perturbed, rules  # noqa: E402
 

@@ -485,7 +485,9 @@ def test_gc_uncommits_a_step_only_once_no_step_still_committed_reads_it_and_chai
     committed = set(reads)
     flight = {"now": 0, "most": 0}
 
-    class History:
+    class Chains:  # (and the history it reads)
+        history = property(lambda self: self)
+
         async def reads(self, step: int) -> set[int] | None:
             return reads[step]
 
@@ -498,7 +500,7 @@ def test_gc_uncommits_a_step_only_once_no_step_still_committed_reads_it_and_chai
             committed.discard(step)
             flight["now"] -= 1
 
-    sync(_uncommit(History(), sorted(reads)))
+    sync(_uncommit(Chains(), sorted(reads)))
     assert not committed and flight["most"] >= 3  # (3, 4, 12 and 21 need nothing first)
 
 
