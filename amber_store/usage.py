@@ -41,10 +41,11 @@ def _young(created: float | bool | None, grace_seconds: float) -> bool:
 
 
 class Usage:
-    """The reports of one store (through ``history``, and its backend)."""
+    """The reports of one store (through ``history``, its chains and its backend)."""
 
     def __init__(self, history: History) -> None:
         self.history = history
+        self.chains = Chains(history)
         self.backend = history.backend
 
     @property
@@ -60,7 +61,7 @@ class Usage:
         tensors = {}
         chain: set[int] = set()
         for key, e in m.tensors.items():
-            deps = await Chains(self.history).dependencies(step, key)
+            deps = await self.chains.dependencies(step, key)
             chain.update(deps)
             tensors[key] = {
                 "dtype": e.dtype,
