@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import functools
 import time
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
@@ -36,14 +35,16 @@ import torch
 from . import format as fmt
 from .format import Manifest
 from .errors import StorageAccessError
+from .bases import Resident
 from .chains import Chains
 from .history import GROUP_NAME, History
 from .usage import GRACE_SECONDS, Usage
 from .runtime import REQUESTS_AT_ONCE, ahead, gather
+from .stepwriter import Base
 from .storage import storage_errors
 
 if TYPE_CHECKING:
-    from .stepwriter import Base, StepWriter
+    from .stepwriter import StepWriter
     from .writer import Writer
 
 
@@ -318,17 +319,28 @@ async def _fold(writer: Writer, step: int, earlier_kept: list[int], deleted: set
                  next((k for k in through if through[k] == layers[key]), None))
         if k is not None:
             by_base.setdefault(k, []).append(key)
-    refs: dict[str, Base | None] = {}
-    for k, keys in by_base.items():
-        refs.update(await writer.bases_for(candidates[k], keys))
+    bases = {key: found for k, keys in by_base.items() for key in keys
+             if (found := await chains.holder(k, key)) is not None}  # (the step holding its data, its entry)
     # a delta against a base of as many layers as the step read is one layer more: only if equal
-    only_if_equal = {key for key, ref in refs.items()
-                     if ref is not None and len(await chains.dependencies(ref.step, key)) == layers[key]}
+    only_if_equal = {key for key, (holder, _) in bases.items()
+                     if len(await chains.dependencies(holder, key)) == layers[key]}
     holders = {key: await chains.holder(step, key) for key in todo}
 
+    async def read(key: str) -> tuple[torch.Tensor, Base | None]:
+        """The value to rewrite and its new base, read side by side (a base this process
+        keeps is not read again), held only while its tensor is encoded: not spilled, nor all
+        at once."""
+        if key not in bases:
+            return await writer.materialized(step, key), None
+        holder, entry = bases[key]
+        kept = writer.bases.get(holder, key)
+        if kept is not None:
+            return await writer.materialized(step, key), Base(holder, entry, kept)
+        value, bits = await gather([writer.materialized(step, key), writer.base_bits(holder, key, entry)])
+        return value, Base(holder, entry, Resident(bits))
+
     def fill(out: StepWriter) -> None:
-        for key, value in ahead(todo, functools.partial(writer.materialized, step), lambda key: m.tensors[key].nbytes):
-            ref = refs.get(key)
+        for key, (value, ref) in ahead(todo, read, lambda key: 2 * m.tensors[key].nbytes):
             if key in only_if_equal and not torch.equal(fmt.to_bits(value), ref.bits.whole()):
                 ref = None
             found = holders[key]

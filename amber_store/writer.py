@@ -442,11 +442,7 @@ class Writer:
                 missing.append((key, *found))
             else:
                 refs[key] = None if found is None else Base(*found, bits)
-        session = ReadSession()
-
-        async def read(holder: int, key: str, entry: TensorEntry) -> torch.Tensor:
-            return fmt.to_bits(fmt.numpy_to_tensor(await self.reader.read(holder, key, session=session), entry.dtype))
-
+        read = functools.partial(self.base_bits, session=ReadSession())
         keeper = cache.keeper()
         if keeper is None:  # nothing kept: each base is read as the save reaches its tensor
             for key, holder, entry in missing:
@@ -466,6 +462,11 @@ class Writer:
 
         refs.update(zip([key for key, _, _ in missing], await gather(kept(*m) for m in missing)))
         return refs
+
+    async def base_bits(self, holder: int, key: str, entry: TensorEntry,
+                        session: ReadSession | None = None) -> torch.Tensor:
+        """The host bits of ``key`` at step ``holder``, whose ``entry`` stores it."""
+        return fmt.to_bits(fmt.numpy_to_tensor(await self.reader.read(holder, key, session=session), entry.dtype))
 
     async def materialized(self, step: int, key: str) -> torch.Tensor:
         """The whole tensor ``key`` of ``step``."""
