@@ -1,9 +1,9 @@
-"""The history of a store: committed steps, their manifests, the chains between them, commits
-and pins.
+"""The history of a store: committed steps, their manifests, commits and pins.
 
-Everything that reads or writes steps goes through :class:`History`: the writer (bases and the
-commit), the reader (chains), retention (dependencies, manifest replacement, uncommits), export,
-the DCP adapters and :mod:`~amber_store.usage` (what a store holds). It holds no tensors.
+Everything that reads or writes steps goes through :class:`History`: the writer (the commit),
+:mod:`~amber_store.chains` (what a step's tensors diff against and read, from its manifests),
+the reader, retention (manifest replacement, uncommits), export, the DCP adapters and
+:mod:`~amber_store.usage` (what a store holds). It holds no tensors.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ def azure_config(storage_options: dict[str, Any], uri: str,
     config = renamed(opts, _RENAMED)
     if "sas_key" in config:
         config["sas_key"] = config["sas_key"].lstrip("?")
-    bounds = {new: f"{float(opts.pop(old))}s" for old, new in _BOUNDS.items() if opts.get(old) is not None}
-    retries = {"max_retries": int(opts.pop("retry_total"))} if opts.get("retry_total") is not None else {}
+    bounds = {new: f"{float(seconds)}s" for new, seconds in renamed(opts, _BOUNDS).items()}
+    retries = {"max_retries": int(total)} if (total := opts.pop("retry_total", None)) is not None else {}
     connection = opts.pop("connection_string", None)
     if opts.pop("anon", False):
         config["skip_signature"] = True
