@@ -54,6 +54,7 @@ class Reader:
 
     def __init__(self, history: History, *, verify: bool = True) -> None:
         self.history = history
+        self.backend = history.backend
         self.chains = Chains(history)
         self.verify = verify
         self._legacy: Any = None  # (a LegacyReader, made for the first step of format 1-2: it imports zarr)
@@ -131,7 +132,7 @@ class Reader:
         if not stored or sum(n for _, n in stored) > WHOLE_OBJECT_BYTES:
             return None
         assert entry.array is not None
-        raw = await self.history.backend.get(fmt.shard_key(entry.array, len(entry.shape)))
+        raw = await self.backend.get(fmt.shard_key(entry.array, len(entry.shape)))
         if raw is None:
             raise self._corrupt(step, key, f"object of array {entry.array} is missing")
         return raw
@@ -148,7 +149,7 @@ class Reader:
             if objects is not None and objects[i] is not None:
                 return objects[i][loc[0]: loc[0] + loc[1]]
             assert le.array is not None
-            raw = await self.history.backend.get(fmt.shard_key(le.array, len(le.shape)),
+            raw = await self.backend.get(fmt.shard_key(le.array, len(le.shape)),
                                                  (loc[0], loc[0] + loc[1]))
             if raw is None:
                 raise self._corrupt(s, key, f"object of array {le.array} is missing", idx)
@@ -284,7 +285,7 @@ class Reader:
         index = info["index"][first:stop]
         lo, hi = index[0][0], index[-1][0] + index[-1][1]
         whole = first == 0 and stop == len(info["index"])
-        data = await self.history.backend.get(fmt.shard_key(info["array"], 1), None if whole else (lo, hi))
+        data = await self.backend.get(fmt.shard_key(info["array"], 1), None if whole else (lo, hi))
         if data is None:
             return None, set()
         size = info["chunk"]

@@ -92,12 +92,11 @@ def _lossless_chunk(codec: DeltaCodec, value: np.ndarray, base: np.ndarray | Non
     if _unchanged(value, base, crc, base_crc):
         return None, crc
     if base is None:
-        data = value
-    else:
-        assert isinstance(codec, HostDiff)  # (a delta taken on the host: see StepWriter.add)
-        data = scratch(value.nbytes).view(value.dtype)
-        codec.encode_into(data, value, base)
-    return compression.compress(_padded(data, padded), typesize, None if base is None else codec), crc
+        return compression.compress(_padded(value, padded), typesize, None), crc
+    assert isinstance(codec, HostDiff)  # (a delta taken on the host: see StepWriter.add)
+    data = scratch(value.nbytes).view(value.dtype)
+    codec.encode_into(data, value, base)
+    return compression.compress(codec.serialize(_padded(data, padded), None, value), typesize, codec), crc
 
 
 def _unchanged(value: np.ndarray, base: np.ndarray | None, crc: int, base_crc: int | None) -> bool:
@@ -518,7 +517,7 @@ class StepWriter:
                 assert isinstance(codec, HostDiff)  # (a delta taken on the host: see add)
                 stored = np.empty_like(host)
                 codec.encode_into(stored, host, old)
-                payload = stored.view(np.uint8)
+                payload = codec.serialize(stored, None, host)
         else:
             assert delta is not None
             recon = bits_to_numpy(delta.recon).reshape(-1)

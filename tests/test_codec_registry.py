@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import amber_store as amber
-from amber_store.codecs import XorDeltaCodec, registry
+from amber_store.codecs import DiffDeltaCodec, XorDeltaCodec, registry
 from conftest import assert_tree_bit_equal
 
 
@@ -133,3 +133,29 @@ def test_the_registry_refuses_what_would_not_read_back(codecs):
         amber.codecs.register(Taken)
     with pytest.raises(amber.UnknownCodecError, match="'acme.nothing'"):
         amber.codecs.delta_codec("acme.nothing")
+
+
+class AcmeInvertedDiff(DiffDeltaCodec):
+    """A codec with its own serializer: the default diffs, stored with every bit inverted."""
+
+    name = "acme.inverted_diff_delta"
+    encoding = "acme.inverted_diff"
+
+    def serializer(self, dtype: str) -> dict:
+        return {"name": "acme.inverted"}
+
+    def serialize(self, chunk, side=None, recon=None):
+        return ~chunk.reshape(-1).view("u1")
+
+    def deserialize(self, raw, shape, dtype):
+        return (~raw).view(dtype).reshape(shape)
+
+
+def test_a_codec_with_a_serializer_of_its_own_reads_back_through_it_not_through_the_fused_decoder(codecs, tmp_path):
+    amber.codecs.register(AcmeInvertedDiff)
+    state = saved_with(tmp_path / "s", AcmeInvertedDiff())
+    store = amber.open(tmp_path / "s", mode="r")
+    group = (tmp_path / "s" / store.manifest(2).group / "zarr.json").read_text()  # (arrays' metadata consolidated)
+    assert '{"name": "acme.inverted"}' in group.replace(" ", "").replace(":", ": ")
+    assert_tree_bit_equal(store.load(2, lazy=False), state)
+    assert torch.equal(store.load(2)["w"][3:7].view(torch.int32), state["w"][3:7].view(torch.int32))

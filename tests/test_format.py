@@ -258,19 +258,26 @@ def test_the_torch_free_item_size_table_agrees_with_torch():
         assert fmt.ITEMSIZES[name] == torch.empty((), dtype=dtype).element_size(), name
 
 
-def test_the_codec_registry_is_the_formats_list_of_encodings_and_every_codec_has_an_entry_point():
+def test_the_formats_encodings_are_the_registrys_codecs_the_version_tables_and_the_entry_points():
+    import re
     from importlib.metadata import entry_points
-    from typing import get_args
 
     from amber_store import codecs
+    from amber_store.codecs.zarr_codecs import ZARR_CODECS
 
     assert {c.encoding: c.name for c in codecs.registry.BUILT_IN} == {e: n for e, (n, _) in fmt.DELTA_ENCODINGS.items()}
     assert {c.name for c in codecs.SERIALIZERS} == set(fmt.SERIALIZERS)
-    assert set(get_args(fmt.Encoding)) == {"full", "same", *fmt.DELTA_ENCODINGS}
-    assert max(v for _, v in fmt.DELTA_ENCODINGS.values()) <= fmt.FORMAT_VERSION
-    from amber_store.codecs.zarr_codecs import ZARR_CODECS
-
+    table = (DATA.parents[1] / "docs" / "FORMAT.md").read_text().split("\n## ")[0]
+    rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| (\d+) \| (.*) \|$", table, re.M)}
+    assert sorted(rows) == list(range(1, fmt.FORMAT_VERSION + 1))
+    for encoding, (name, version) in fmt.DELTA_ENCODINGS.items():
+        assert f"`{encoding}`" in rows[version] and f"`{name}`" in rows[version], (encoding, rows[version])
+        assert not fmt.EXTENSION_ENCODING.fullmatch(encoding), encoding
+    for name, version in fmt.SERIALIZERS.items():
+        assert f"`{name}`" in rows[version], (name, rows[version])
     registered = {ep.name: ep.load() for ep in entry_points(group="zarr.codecs") if ep.name.startswith("amber.")}
     assert registered == ZARR_CODECS
     assert {n: c.__mro__[1] for n, c in ZARR_CODECS.items()} == \
         {c.name: c for c in (*codecs.registry.BUILT_IN, *codecs.SERIALIZERS)}
+
+

@@ -150,6 +150,14 @@ class DeltaCodec(abc.ABC):
     # native decoder then applies as it decodes them (None: decoded, then applied)
     fused_op: ClassVar[str | None] = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # The native decoder applies a fused op onto raw decompressed bytes: a subclass that
+        # stores its chunks another way decodes through its own methods unless it names an op.
+        super().__init_subclass__(**kwargs)
+        own = {"deserialize", "decode_into", "apply_into"} & cls.__dict__.keys()
+        if own and "fused_op" not in cls.__dict__:
+            cls.fused_op = None
+
     def serialize(self, chunk: np.ndarray, side: np.ndarray | None = None, recon: np.ndarray | None = None) -> Any:
         """Bytes-like of one chunk of the stored array (chunk-shaped, C-contiguous), given the
         chunk's row of :attr:`Delta.side` and its materialized bits ``recon`` (unpadded)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -55,16 +55,20 @@ PACK_PREFIX = "pack"
 # Shard index entry of an absent inner chunk (zarr v3 sharding spec).
 _ABSENT = (1 << 64) - 1
 
-Encoding = Literal["full", "diff", "xor", "sparse", "quant", "block", "ratio", "same"]
-#: The delta encodings, each with the zarr codec its arrays name and the format version that
-#: introduced it (``full`` and ``same`` store values and nothing). :mod:`amber_store.codecs`
-#: registers exactly these (a test holds them equal): a new codec is a new entry here.
+#: What a tensor entry stores: ``full`` (its values), ``same`` (nothing: its base's value), or
+#: a delta codec's encoding (:data:`DELTA_ENCODINGS`, or an extension encoding).
+Encoding = str
+#: The format's delta encodings, each with the zarr codec its arrays name and the format version
+#: that introduced it. The codec registry (:mod:`amber_store.codecs.registry`) implements exactly
+#: these, and docs/FORMAT.md's version table names each at its version (a test holds the three
+#: equal); this list is the one a manifest is checked against because it needs no torch, which
+#: every codec imports (the CLI reads manifests without it).
 DELTA_ENCODINGS: dict[str, tuple[str, int]] = {
     "xor": ("amber.xor_delta", 1), "sparse": ("amber.sparse_delta", 2), "quant": ("amber.quantized_delta", 2),
     "block": ("amber.block_delta", 5), "ratio": ("amber.ratio_delta", 5), "diff": ("amber.diff_delta", 6),
 }
 #: An extension encoding: a delta codec from outside amber-store, named ``<package>.<codec>``
-#: (lowercase and dotted; the bare names above are the format's own). Its arrays name the codec's
+#: (lowercase and dotted; the bare names are the format's own). Its arrays name the codec's
 #: own zarr codec; a reader finds the codec through the entry point group ``amber_store.codecs``
 #: (:func:`amber_store.codecs.register`), or refuses the tensor naming the encoding.
 EXTENSION_ENCODING = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+")

@@ -78,8 +78,6 @@ def azure_config(storage_options: dict[str, Any], uri: str,
     options or ``AZURE_STORAGE_CONNECTION_STRING``, it does not)."""
     opts = dict(storage_options)
     config = renamed(opts, _RENAMED)
-    if "sas_key" in config:
-        config["sas_key"] = config["sas_key"].lstrip("?")
     bounds = {new: f"{float(seconds)}s" for new, seconds in renamed(opts, _BOUNDS).items()}
     retries = {"max_retries": int(total)} if (total := opts.pop("retry_total", None)) is not None else {}
     connection = opts.pop("connection_string", None)
@@ -97,6 +95,8 @@ def azure_config(storage_options: dict[str, Any], uri: str,
             config.setdefault(key, value)
     if account and "account_name" not in config:
         config["account_name"] = account
+    if "sas_key" in config:  # (a token as copied from Azure's portal starts with '?')
+        config["sas_key"] = config["sas_key"].lstrip("?")
     return config, bounds, retries
 
 
@@ -115,7 +115,7 @@ def _connection_settings(connection: str, uri: str) -> dict[str, Any]:
     for name, key in (("accountname", "account_name"), ("accountkey", "account_key"),
                       ("sharedaccesssignature", "sas_key"), ("blobendpoint", "endpoint")):
         if fields.get(name):
-            config[key] = fields[name].lstrip("?") if key == "sas_key" else fields[name]
+            config[key] = fields[name]
     if "endpoint" not in config and "accountname" in fields and "endpointsuffix" in fields:
         config["endpoint"] = (f"{fields.get('defaultendpointsprotocol', 'https')}://{fields['accountname']}.blob."
                               f"{fields['endpointsuffix']}")
