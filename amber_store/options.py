@@ -50,8 +50,10 @@ class Options:
             lz4 for full steps and large tensors' lossless deltas, zstd for packs of small
             tensors' deltas and for XOR and lossy deltas), ``"lz4"`` or ``"zstd"`` (smaller
             lossless deltas, slower saves); see :class:`~amber_store.codecs.Compression`.
-        verify_checksums: check each materialized chunk's crc32c on read (stored chunks are
-            always checked before they are decoded).
+        verify_checksums: check each materialized chunk's crc32c on read. Stored chunks carry
+            their own: checked before they are decoded, but for those the native decoder takes
+            (bounds-checked whatever their bytes) while this is on, checked only if the
+            materialized one differs, to name the damaged step.
         durable: make every data object durable (fsync) before the commit, on local disks.
         progress: show a tqdm bar while saving.
         max_inflight_bytes: bound on tensor bytes encoded but not yet written (128 MiB: the

@@ -19,7 +19,7 @@ import crc32c
 import numpy as np
 
 from . import format as fmt
-from .codecs import decompress, delta_codec, fuses, scratch
+from .codecs import decompress, delta_codec, fuses, intact, scratch
 from .errors import CorruptDataError, StepNotFoundError, UnknownCodecError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
 from .chains import Chains
@@ -175,14 +175,30 @@ class Reader:
     def _apply_layers(self, step: int, key: str, e: TensorEntry, layers: list[tuple[int, TensorEntry]],
                       payloads: list[Any], out: np.ndarray, idx: tuple[int, ...], flat: int, check: bool) -> None:
         """Decode the chunk ``flat`` (grid index ``idx``) of every layer into ``out`` (its
-        in-bounds elements, flat), oldest first, then check the materialized crc32c."""
-        shape, chunks = tuple(e.shape), tuple(e.chunks)
+        in-bounds elements, flat), oldest first, then check the materialized crc32c; if it
+        differs, the damaged layer is the first whose stored chunk fails its own."""
         packed = layers[-1][1].pack is not None
+        if out.nbytes >= _POPULATE_BYTES:
+            fmt.populate(out)
+        try:
+            self._apply(step, key, e, layers, payloads, out, idx, packed, check)
+            if check and crc32c.crc32c(out) != e.crc32c[flat]:
+                raise self._corrupt(step, key, "checksum mismatch (materialized data differs from what was saved)", idx)
+        except CorruptDataError:
+            if check and not packed:  # (the frames the native decoder took were not checked first)
+                for (s, _), payload in zip(layers, payloads):
+                    if payload is not None and not intact(payload):
+                        raise self._corrupt(s, key, "stored chunk failed its checksum or decoding", idx) from None
+            raise
+
+    def _apply(self, step: int, key: str, e: TensorEntry, layers: list[tuple[int, TensorEntry]],
+               payloads: list[Any], out: np.ndarray, idx: tuple[int, ...], packed: bool, check: bool) -> None:
+        """Decode every layer's chunk into ``out``, oldest first (``check``: the caller checks the
+        result's crc32c, and so each stored chunk's only if that fails)."""
+        shape, chunks = tuple(e.shape), tuple(e.chunks)
         padded = out.size if packed else int(np.prod(chunks))
         region = fmt.whole(shape) if packed else fmt.chunk_slices(idx, shape, chunks)
         rshape = tuple(r.stop - r.start for r in region)
-        if out.nbytes >= _POPULATE_BYTES:
-            fmt.populate(out)
         for (s, le), payload in zip(layers, payloads):
             if le.encoding == "full":
                 if payload is None:
@@ -190,7 +206,7 @@ class Reader:
                 elif packed:
                     out[...] = payload.view(out.dtype)
                 elif padded == out.size:
-                    self._decompress(payload, out, s, key, idx)
+                    self._decompress(payload, out, s, key, idx, checked_after=check)
                 else:  # an edge chunk is stored padded to the whole chunk
                     out[...] = self._decompress(payload, None, s, key, idx).view(out.dtype)[: out.size]
                 continue
@@ -205,7 +221,7 @@ class Reader:
             except (KeyError, TypeError, ValueError, ArithmeticError) as exc:  # a store is untrusted input
                 raise self._corrupt(s, key, f"its {le.encoding} parameters are malformed ({exc!r})", idx) from None
             if not packed and padded == out.size and codec.fused_op and fuses(payload, out, codec.fused_op):
-                self._decompress(payload, out, s, key, idx, codec.fused_op)
+                self._decompress(payload, out, s, key, idx, codec.fused_op, checked_after=check)
                 continue
             if packed:
                 raw = payload
@@ -217,16 +233,14 @@ class Reader:
                 codec.decode_into(out.reshape(rshape), raw, padded, region, le)
             except (ValueError, TypeError, KeyError, IndexError, ArithmeticError) as exc:
                 raise self._corrupt(s, key, f"stored chunk does not decode: {exc}", idx) from exc
-        if check and crc32c.crc32c(out) != e.crc32c[flat]:
-            raise self._corrupt(step, key, "checksum mismatch (materialized data differs from what was saved)", idx)
 
     def _decompress(self, payload: Any, into: np.ndarray | None, step: int, key: str,
-                    idx: tuple[int, ...], op: str = "store") -> np.ndarray:
+                    idx: tuple[int, ...], op: str = "store", checked_after: bool = False) -> np.ndarray:
         """Decompress one stored chunk (into ``into``, which must be its exact size, if given;
         or apply it onto ``into`` with ``op``: :func:`~amber_store.codecs.compression.decompress`)."""
         if into is not None and op == "store":
             into = into.view(np.uint8)
-        got = decompress(payload, into, op)
+        got = decompress(payload, into, op, checked_after)
         if got is None:
             raise self._corrupt(step, key, "stored chunk failed its checksum or decoding", idx)
         return got

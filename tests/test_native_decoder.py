@@ -19,7 +19,7 @@ import torch
 import amber_store as amber
 from amber_store.codecs import Compression, DiffDeltaCodec, compression, decompress, fuses
 from benchmarks.common import cpu_flags
-from conftest import assert_tree_bit_equal
+from conftest import assert_tree_bit_equal, flip_stored_byte
 
 native = compression._blosc1
 needs_native = pytest.mark.skipif(native is None, reason="the native decoder is not built (no C compiler at install)")
@@ -262,3 +262,36 @@ def test_amber_decode_path_picks_a_path_or_fails_naming_those_this_machine_has(c
         assert done.returncode == 0, done.stderr
         # (c-blosc: as a machine without the extension, whose diffs torch's ops apply)
         assert done.stdout.split() == [choice, "torch" if choice == "c-blosc" else "kernels"]
+
+
+@needs_native
+@pytest.mark.parametrize("damaged", [1, 2])
+def test_stored_chunks_the_decoder_takes_are_checked_only_when_the_result_is_wrong_and_the_damaged_step_is_named(
+        tmp_path, damaged, monkeypatch):
+    from amber_store import reader
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1024, 1024, generator=g) * 0.02, "half": torch.randn(1024, 512, generator=g).bfloat16()}
+    with amber.open(tmp_path / "s", mode="w") as store:
+        store.save(1, state)
+        for t in state.values():
+            t.add_(torch.randn(t.shape, generator=g).to(t.dtype) * 1e-3)
+        store.save(2, state)
+    checked = []
+
+    def counted(stored) -> bool:
+        checked.append(len(stored))
+        return compression.crc32c.crc32c(memoryview(stored)[:-4]) == int.from_bytes(memoryview(stored)[-4:], "little")
+
+    monkeypatch.setattr(compression, "intact", counted)
+    monkeypatch.setattr(reader, "intact", counted)
+    assert_tree_bit_equal(amber.open(tmp_path / "s", mode="r").load(2, lazy=False), state)
+    assert checked == []  # (both layers of both tensors: one pass over the result each, none over their frames)
+    assert_tree_bit_equal(amber.open(tmp_path / "s", mode="r", verify_checksums=False).load(2, lazy=False), state)
+    assert len(checked) == 4  # (unverified results: every frame checked before it is decoded, as before)
+    store = amber.open(tmp_path / "s", mode="r")
+    flip_stored_byte(tmp_path / "s", store, damaged, "w")
+    with pytest.raises(amber.CorruptDataError, match=rf"step {damaged}, tensor 'w', chunk \(0, 0\): stored chunk "
+                                                     "failed its checksum or decoding"):
+        store.load(2, lazy=False)
+    assert torch.equal(store.load(2)["half"][:].view(torch.int16), state["half"].view(torch.int16))  # (the rest loads)

@@ -33,7 +33,7 @@ Modules: :mod:`~.base` (the contract), :mod:`~.lossless`, :mod:`~.sparse`, :mod:
 """
 
 from .base import Delta, DeltaCodec, ElementwiseDeltaCodec, Finish, HostDiff, Serializer, Shuffle
-from .compression import Compression, decompress, fuses, scratch
+from .compression import Compression, decompress, fuses, intact, scratch
 from .device import to_host
 from .entropy import ESCAPE, AnsBytesCodec, BlockDeltaCodec, CodedDelta, RatioDeltaCodec
 from .lossless import DiffDeltaCodec, LosslessDeltaCodec, XorDeltaCodec
@@ -47,6 +47,6 @@ __all__ = [
     "CodecPolicy", "CodedDelta", "Compression", "Delta", "DeltaCodec", "DiffDeltaCodec", "ElementwiseDeltaCodec",
     "Finish", "HostDiff", "LosslessDeltaCodec", "Pack4BytesCodec", "Policy", "QuantizedDeltaCodec", "RatioDeltaCodec",
     "Serializer", "Shuffle", "SparseBytesCodec", "SparseDeltaCodec", "XorDeltaCodec", "codec_named", "decompress", "delta_codec",
-    "dequantize", "fuses", "pack4_decode", "pack4_encode", "register", "scratch", "sparse_decode", "sparse_encode", "sparse_pack",
+    "dequantize", "fuses", "intact", "pack4_decode", "pack4_encode", "register", "scratch", "sparse_decode", "sparse_encode", "sparse_pack",
     "to_host",
 ]
