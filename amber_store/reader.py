@@ -149,8 +149,7 @@ class Reader:
             if objects is not None and objects[i] is not None:
                 return objects[i][loc[0]: loc[0] + loc[1]]
             assert le.array is not None
-            raw = await self.backend.get(fmt.shard_key(le.array, len(le.shape)),
-                                                 (loc[0], loc[0] + loc[1]))
+            raw = await self.backend.get(fmt.shard_key(le.array, len(le.shape)), (loc[0], loc[0] + loc[1]))
             if raw is None:
                 raise self._corrupt(s, key, f"object of array {le.array} is missing", idx)
             return raw
