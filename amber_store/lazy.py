@@ -22,7 +22,7 @@ import torch
 from .errors import CorruptDataError
 from .format import DTYPES, TensorEntry, bits_to_numpy, itemsize, round_up, to_bits
 from .reader import ReadSession
-from .runtime import gather, shared_pool, sync
+from .runtime import gather, in_thread, shared_pool, sync
 
 if TYPE_CHECKING:
     from .reader import Reader
@@ -424,11 +424,11 @@ def materialize(obj: Any, device: torch.device | str | None = None, *, damaged: 
                     return None
             rest = [to for to in tos if to is not fit]  # (on another device, strided, or tied)
             if rest:
-                await asyncio.get_running_loop().run_in_executor(_transfer_thread(), _copy_into, rest, t)
+                await in_thread(_transfer_thread(), _copy_into, rest, t)
             if tos:
                 return tos[0]
             if moving:
-                t = await asyncio.get_running_loop().run_in_executor(_transfer_thread(), t.to, target)
+                t = await in_thread(_transfer_thread(), t.to, target)
             return t
 
         return await gather(one(lt) for lt in leaves)

@@ -24,7 +24,7 @@ from .errors import CorruptDataError, StepNotFoundError, UnknownCodecError
 from .format import Manifest, TensorEntry, bits_numpy_dtype
 from .chains import Chains
 from .history import History
-from .runtime import codec_pool, gather
+from .runtime import codec_pool, gather, in_thread
 from .storage import storage_errors
 
 # Chunks below this are decoded on the event loop: a thread hop costs more than the work.
@@ -169,7 +169,7 @@ class Reader:
         if out.nbytes < _INLINE_BYTES:
             self._apply_layers(*args)
         else:
-            await asyncio.get_running_loop().run_in_executor(codec_pool(), self._apply_layers, *args)
+            await in_thread(codec_pool(), self._apply_layers, *args)
 
     def _apply_layers(self, step: int, key: str, e: TensorEntry, layers: list[tuple[int, TensorEntry]],
                       payloads: list[Any], out: np.ndarray, idx: tuple[int, ...], flat: int, check: bool) -> None:
@@ -311,6 +311,5 @@ class Reader:
             if decompress(data[o: o + n], out[i * size: (i + 1) * size]) is None:
                 failed.add(first + i)
 
-        loop = asyncio.get_running_loop()
-        await gather([loop.run_in_executor(codec_pool(), one, i) for i in range(len(index))])
+        await gather([in_thread(codec_pool(), one, i) for i in range(len(index))])
         return out, failed

@@ -187,6 +187,24 @@ async def finish(aw: Awaitable[T], within: float | None = None) -> T:
         raise
 
 
+async def in_thread(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on ``pool``. Cancelled (a sibling read failed), a call not yet started never
+    runs and a running one is waited for: no thread goes on writing into buffers once the call
+    that failed has returned (a caller's tensors, which it may load again at once, or a mapped
+    file's pages)."""
+    job = pool.submit(fn, *args)
+    waited = asyncio.wrap_future(job)
+    try:
+        return await asyncio.shield(waited)
+    except asyncio.CancelledError:
+        job.cancel()  # (refused by a running call)
+        while not waited.done():  # (cancelled again meanwhile: still wait)
+            with suppress(asyncio.CancelledError):
+                await asyncio.wait([waited])
+        _retrieved(waited)
+        raise
+
+
 def _retrieved(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
