@@ -778,29 +778,32 @@ def test_what_a_killed_save_leaves_is_reported_by_ls_du_and_the_next_writable_op
 
 
 def test_a_load_that_fails_leaves_no_decode_running_nor_one_to_start_later(local_store, tmp_path, monkeypatch):
-    from amber_store import reader
+    from amber_store import lazy, reader
 
+    n = 2 * lazy._MAX_CONCURRENT_TENSORS  # (tensors read at once: the rest wait for t0's turn to end)
     store = local_store(pack_threshold=0)
-    store.save(1, {f"t{i}": torch.randn(512, 1024) for i in range(12)})  # (a 2 MiB chunk each)
+    store.save(1, {f"t{i}": torch.randn(256, 1024) for i in range(n)})  # (a 1 MiB chunk each)
     flip_stored_byte(tmp_path / "ckpt", store, 1, "t0")
-    running, started = [0], []
+    lock, running, started = threading.Lock(), [0], []
     apply_layers = reader.Reader._apply_layers
 
     def slow(self, step, key, *args):
-        running[0] += 1
-        started.append(key)
+        with lock:
+            running[0] += 1
+            started.append(key)
         try:
             if key != "t0":
                 time.sleep(0.05)
             return apply_layers(self, step, key, *args)
         finally:
-            running[0] -= 1
+            with lock:
+                running[0] -= 1
 
     monkeypatch.setattr(reader.Reader, "_apply_layers", slow)
-    into = {f"t{i}": torch.zeros(512, 1024) for i in range(12)}
+    into = {f"t{i}": torch.zeros(256, 1024) for i in range(n)}
     with pytest.raises(amber.CorruptDataError, match="tensor 't0'"):
         amber.open(tmp_path / "ckpt", mode="r").load(1, lazy=False, into=into)
     assert running[0] == 0  # (a decode still running would write into `into` after the error)
     seen = list(started)
     time.sleep(0.3)
-    assert started == seen and len(seen) < 12  # (the queued decodes were dropped, never run)
+    assert started == seen and len(seen) < n  # (the queued decodes were dropped, never run)
