@@ -169,15 +169,18 @@ def _await_cleanup(finished: threading.Event, task: list[asyncio.Task[Any]]) -> 
             t._log_destroy_pending = False  # type: ignore[attr-defined]
 
 
-async def finish(aw: Awaitable[T], within: float | None = None) -> T:
+async def finish(aw: Awaitable[T], within: float | None = None, stop: Callable[[], Any] | None = None) -> T:
     """Await ``aw`` to its end even if the caller is cancelled meanwhile (for at most ``within``
-    seconds more), then let the cancellation go on: for work that must not outlive its caller's
-    cleanup (a thread's write, which nothing stops, landing after an interrupted save deleted
-    its attempt) or whose outcome must be learnt (a commit)."""
+    seconds more; ``stop``, called first, may end it sooner), then let the cancellation go on:
+    for work that must not outlive its caller's cleanup (a thread's write, which nothing stops,
+    landing after an interrupted save deleted its attempt) or whose outcome must be learnt (a
+    commit)."""
     task = asyncio.ensure_future(aw)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
+        if stop is not None:
+            stop()
         loop = asyncio.get_running_loop()
         end = None if within is None else loop.time() + within
         while not task.done() and (end is None or loop.time() < end):  # (cancelled again meanwhile: still wait)
@@ -193,16 +196,7 @@ async def in_thread(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) 
     that failed has returned (a caller's tensors, which it may load again at once, or a mapped
     file's pages)."""
     job = pool.submit(fn, *args)
-    waited = asyncio.wrap_future(job)
-    try:
-        return await asyncio.shield(waited)
-    except asyncio.CancelledError:
-        job.cancel()  # (refused by a running call)
-        while not waited.done():  # (cancelled again meanwhile: still wait)
-            with suppress(asyncio.CancelledError):
-                await asyncio.wait([waited])
-        _retrieved(waited)
-        raise
+    return await finish(asyncio.wrap_future(job), stop=job.cancel)  # (a running call refuses to be cancelled)
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

@@ -344,11 +344,9 @@ class Writer:
         job = asyncio.get_running_loop().run_in_executor(
             writer_pool(), functools.partial(self.write, plan, fill, stop=stop, **options))
         try:
-            return await asyncio.shield(job)
+            return await finish(job, stop=stop.set)
         except asyncio.CancelledError:
-            stop.set()
-            await asyncio.wait([job])
-            error = None if job.cancelled() else job.exception()  # (retrieved: else asyncio logs it)
+            error = None if job.cancelled() else job.exception()
             if error is not None and stopped is not None:
                 stopped(error)
             raise
